@@ -1,0 +1,43 @@
+"""comarl: train teams of distinct LLMs to cooperate with multi-agent reinforcement learning.
+
+Names are imported lazily, so ``import comarl`` is cheap and touches neither torch nor the network.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+__version__ = "0.1.0"
+
+_EXPORTS = {
+    "MAGRPOConfig": "comarl.config",
+    "MAREINFORCEConfig": "comarl.config",
+    "MARLOOConfig": "comarl.config",
+    "MAReMaxConfig": "comarl.config",
+    "ConfigError": "comarl.config",
+    "MAGRPOTrainer": "comarl.trainers.magrpo",
+    "MAREINFORCETrainer": "comarl.trainers.magrpo",
+    "MARLOOTrainer": "comarl.trainers.magrpo",
+    "MAReMaxTrainer": "comarl.trainers.magrpo",
+    "Agent": "comarl.agents",
+    "Team": "comarl.agents",
+    "Env": "comarl.envs",
+    "StepResult": "comarl.envs",
+    "FunctionEnv": "comarl.envs",
+    "RewardFunctionError": "comarl.envs",
+    "HFEngine": "comarl.engines",
+    "SamplingParams": "comarl.engines",
+}
+
+__all__ = sorted(_EXPORTS) + ["__version__"]
+
+
+def __getattr__(name: str) -> Any:
+    if name in _EXPORTS:
+        return getattr(importlib.import_module(_EXPORTS[name]), name)
+    raise AttributeError(f"module 'comarl' has no attribute {name!r}")
+
+
+def __dir__() -> list[str]:
+    return __all__

@@ -1,0 +1,208 @@
+"""Agents: one policy each (model + tokenizer + formatter + its own learning rate and device)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from comarl.algorithms import token_logprobs
+
+Prompt = str | list[dict[str, str]]
+
+
+class Agent:
+    """One policy of the team.
+
+    ``model`` is a causal LM (trained with fp32 weights: they are the AdamW master weights),
+    ``tokenizer`` its tokenizer (left padding, pad token set when missing), ``formatter`` turns a
+    dataset item into this agent's prompt (a string, or chat messages rendered with the
+    tokenizer's chat template), ``learning_rate`` overrides the trainer's for this agent.
+    """
+
+    def __init__(
+        self,
+        model: Any,
+        tokenizer: Any,
+        *,
+        role: str | None = None,
+        formatter: Callable[[Any], Prompt] | None = None,
+        learning_rate: float | None = None,
+        device: str | torch.device | None = None,
+        source: str | None = None,
+    ) -> None:
+        if tokenizer is None:
+            raise ValueError("Agent: a tokenizer is required when the model is given as an object")
+        self.model = model
+        self.tokenizer = prepare_tokenizer(tokenizer)
+        self.role = role
+        self.formatter = formatter
+        self.learning_rate = learning_rate
+        self.source = source
+        if device is not None:
+            self.model.to(device)
+        for module in self.model.modules():
+            # The policy that samples must be the policy that is scored: no dropout in RL.
+            if isinstance(module, torch.nn.Dropout):
+                module.p = 0.0
+        if next(self.model.parameters()).dtype != torch.float32:
+            # AdamW keeps its master weights in the parameters themselves; bf16 compute is autocast.
+            self.model.float()
+        self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        source: str | Path | Any,
+        tokenizer: str | Path | Any | None = None,
+        *,
+        role: str | None = None,
+        formatter: Callable[[Any], Prompt] | None = None,
+        learning_rate: float | None = None,
+        device: str | torch.device | None = None,
+        model_kwargs: dict[str, Any] | None = None,
+    ) -> Agent:
+        """Load from a hub id or local path (or wrap a model object); the tokenizer defaults to the model's."""
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if isinstance(source, (str, Path)):
+            kwargs = dict(model_kwargs or {})
+            for key in ("torch_dtype", "dtype"):
+                if kwargs.get(key) not in (None, torch.float32, "float32", "fp32"):
+                    raise ValueError(
+                        f"model_kwargs[{key!r}]={kwargs[key]!r}: comarl trains fp32 weights (the AdamW master copy); "
+                        "set bf16=True in the config for bf16 compute instead"
+                    )
+                kwargs.pop(key, None)
+            model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32, **kwargs)
+            name = str(source)
+        else:
+            model, name = source, getattr(getattr(source, "config", None), "_name_or_path", None)
+        if tokenizer is None:
+            if name is None or not isinstance(source, (str, Path)):
+                raise ValueError("Agent.from_pretrained: pass tokenizer= when the model is an object")
+            tokenizer = name
+        if isinstance(tokenizer, (str, Path)):
+            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
+        return cls(
+            model,
+            tokenizer,
+            role=role,
+            formatter=formatter,
+            learning_rate=learning_rate,
+            device=device,
+            source=name,
+        )
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.model.parameters()).device
+
+    def encode(self, prompts: Sequence[Prompt]) -> tuple[torch.Tensor, torch.Tensor]:
+        """Left-padded prompt ids and attention mask; chat messages go through the chat template."""
+        texts = [render_prompt(self.tokenizer, p) for p in prompts]
+        is_chat = [not isinstance(p, str) for p in prompts]
+        if any(is_chat) and not all(is_chat):
+            raise ValueError(
+                "Agent.encode: a batch mixes plain-text prompts and chat messages; use one kind per agent"
+            )
+        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not any(is_chat))
+        return enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
+
+    def completion_logprobs(
+        self,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        completion_ids: torch.Tensor,
+        completion_mask: torch.Tensor,
+        temperature: float = 1.0,
+        model: Any = None,
+    ) -> torch.Tensor:
+        """Per-token log-probs ``[B, T]`` of the completion tokens, from one batched forward.
+
+        The input is prompt+completion; the logits at position ``P-1+t`` predict completion token
+        ``t``, so only the last ``T+1`` logits are computed (``logits_to_keep``). Position ids
+        follow the attention mask, as in generation with left padding.
+        """
+        model = self.model if model is None else model
+        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+        position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+        T = completion_ids.shape[1]
+        logits = model(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            logits_to_keep=T + 1,
+            use_cache=False,
+        ).logits[:, :-1]
+        return token_logprobs(logits, completion_ids, temperature)
+
+
+def prepare_tokenizer(tokenizer: Any) -> Any:
+    """Left padding for batched generation; a pad token when the tokenizer has none.
+
+    The pad token falls back to EOS. That is safe even when prompts contain EOS (chat templates):
+    prompts are masked by the tokenizer's attention mask, completions are sliced off by the
+    padded prompt length, and only tokens after the first *generated* EOS are treated as padding.
+    """
+    tokenizer.padding_side = "left"
+    if tokenizer.pad_token is None:
+        if tokenizer.eos_token is None:
+            raise ValueError(
+                "tokenizer has neither a pad token nor an EOS token; set tokenizer.pad_token first"
+            )
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    """Every token id that ends a completion: the tokenizer's EOS and the model's generation EOS ids."""
+    ids: list[int] = []
+    gen_eos = getattr(getattr(model, "generation_config", None), "eos_token_id", None)
+    for value in (tokenizer.eos_token_id, gen_eos):
+        for v in value if isinstance(value, (list, tuple)) else [value]:
+            if v is not None and v not in ids:
+                ids.append(int(v))
+    if not ids:
+        raise ValueError("neither the tokenizer nor the model's generation config defines an EOS token")
+    return ids
+
+
+def render_prompt(tokenizer: Any, prompt: Prompt) -> str:
+    """A prompt as model input text: strings as they are, chat messages through the chat template."""
+    if isinstance(prompt, str):
+        return prompt
+    if not getattr(tokenizer, "chat_template", None):
+        raise ValueError(
+            "a formatter returned chat messages but the tokenizer has no chat_template; return a string"
+        )
+    return tokenizer.apply_chat_template(list(prompt), tokenize=False, add_generation_prompt=True)
+
+
+class Team:
+    """The agents that act together; agent ``i`` answers observation ``i``."""
+
+    def __init__(self, agents: Sequence[Agent]) -> None:
+        if not agents:
+            raise ValueError("Team: give at least one Agent")
+        models = [id(a.model) for a in agents]
+        for i, m in enumerate(models):
+            if m in models[:i]:
+                j = models.index(m)
+                raise ValueError(
+                    f"Team: agents {j} and {i} are the same model object; give each agent its own copy "
+                    "(copy.deepcopy(model)) — shared weights are not supported yet"
+                )
+        self.agents = list(agents)
+
+    def __len__(self) -> int:
+        return len(self.agents)
+
+    def __getitem__(self, i: int) -> Agent:
+        return self.agents[i]
+
+    def __iter__(self):  # noqa: ANN204
+        return iter(self.agents)

@@ -1,0 +1,212 @@
+"""The math of policy-gradient MARL for LLMs, as pure functions on tensors.
+
+Nothing here touches models, files or configs: every function takes tensors and
+returns tensors, so each formula can be checked by hand (see tests/test_algorithms.py).
+
+Shapes: ``B`` sequences, ``T`` completion tokens (right-padded), ``V`` vocabulary,
+``G`` samples per group (``num_generations``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from comarl.choices import AGGREGATIONS, BASELINES, SCALES
+
+
+def group_advantages(
+    returns: torch.Tensor,
+    baseline: str = "group_mean",
+    scale: str = "group",
+    greedy_returns: torch.Tensor | None = None,
+    eps: float = 1e-4,
+) -> torch.Tensor:
+    """Advantages of ``returns`` shaped ``[num_groups, G]`` (one group = the G samples of one prompt).
+
+    Baselines ``b`` (per group):
+
+    - ``group_mean``    b = mean_j R_j                               (MAGRPO / GRPO)
+    - ``none``          b = 0                                        (MAREINFORCE)
+    - ``leave_one_out`` b_i = (sum_j R_j - R_i) / (G - 1)            (MARLOO / RLOO)
+    - ``group_max``     b = max_j R_j
+    - ``greedy``        b = R(greedy joint action of the group), given as ``greedy_returns[num_groups]``
+                                                                     (MAReMax, as in the ReMax paper)
+
+    Then ``A = R - b`` is divided by a scale:
+
+    - ``group``  A / (std_j R_j + eps)    std over the G samples of the group (unbiased, as in GRPO)
+    - ``batch``  A / (std R + eps)        std over every return in the batch
+    - ``none``   A
+
+    The scale divides by the spread of the *returns*, not of ``A``, so the baselines stay
+    different under every scale: leave-one-out is ``G/(G-1)`` times the group-mean advantage,
+    and raw REINFORCE keeps its sign and offset. (Re-standardising ``A`` itself, as CoMLRL
+    does by default, would make all four estimators identical.)
+    """
+    if returns.dim() != 2:
+        raise ValueError(
+            f"group_advantages: returns must be [num_groups, G], got shape {tuple(returns.shape)}"
+        )
+    G = returns.shape[1]
+    if baseline == "group_mean":
+        b = returns.mean(dim=1, keepdim=True)
+    elif baseline == "none":
+        b = torch.zeros_like(returns[:, :1])
+    elif baseline == "leave_one_out":
+        if G < 2:
+            raise ValueError("group_advantages: baseline='leave_one_out' needs num_generations >= 2")
+        b = (returns.sum(dim=1, keepdim=True) - returns) / (G - 1)
+    elif baseline == "group_max":
+        b = returns.max(dim=1, keepdim=True).values
+    elif baseline == "greedy":
+        if greedy_returns is None or greedy_returns.shape != returns.shape[:1]:
+            raise ValueError("group_advantages: baseline='greedy' needs greedy_returns of shape [num_groups]")
+        b = greedy_returns.unsqueeze(1)
+    else:
+        raise ValueError(f"group_advantages: unknown baseline {baseline!r}; choose one of {BASELINES}")
+    advantages = returns - b
+    if scale == "group":
+        if G < 2:
+            raise ValueError("group_advantages: scale='group' needs num_generations >= 2")
+        advantages = advantages / (returns.std(dim=1, keepdim=True) + eps)
+    elif scale == "batch":
+        if returns.numel() < 2:
+            raise ValueError("group_advantages: scale='batch' needs at least 2 returns in the batch")
+        advantages = advantages / (returns.std() + eps)
+    elif scale != "none":
+        raise ValueError(f"group_advantages: unknown scale {scale!r}; choose one of {SCALES}")
+    return advantages
+
+
+def cross_returns(
+    joint_rewards: torch.Tensor, joint_index: torch.Tensor, num_generations: int
+) -> torch.Tensor:
+    """Per-completion returns of one agent from the rewards of the joint actions that contain it.
+
+    ``joint_rewards[K]`` are the rewards of K joint actions of one group; ``joint_index[K]`` is the
+    index (0..G-1) of this agent's completion in each joint action. Completion ``j`` gets
+
+        R_j = mean_{k : joint_index[k] = j} r_k
+
+    i.e. its expected team reward when its partners' completions are drawn from the sampled set.
+    (A sum, as CoMLRL uses, would scale with how often j was sampled.) Every completion must
+    appear in at least one joint action.
+    """
+    totals = torch.zeros(num_generations, dtype=joint_rewards.dtype).index_add_(0, joint_index, joint_rewards)
+    counts = torch.bincount(joint_index, minlength=num_generations)
+    if (counts == 0).any():
+        missing = (counts == 0).nonzero().flatten().tolist()
+        raise ValueError(f"cross_returns: completions {missing} appear in no joint action")
+    return totals / counts.to(joint_rewards.dtype)
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Log-probabilities ``log softmax(logits / temperature)[tokens]`` for each position.
+
+    ``logits[B, T, V]`` must already be aligned so that ``logits[:, t]`` predicts ``tokens[:, t]``.
+    Dividing by the sampling temperature makes these the log-probs of the distribution the
+    tokens were actually sampled from.
+    """
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    # log_softmax(x)[y] = x[y] - logsumexp(x): gather first, never materialise [B, T, V] log-probs twice.
+    picked = torch.gather(logits, dim=-1, index=tokens.unsqueeze(-1)).squeeze(-1)
+    return picked - torch.logsumexp(logits, dim=-1)
+
+
+def completion_mask(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
+    """1 for every generated token up to and including the first EOS, 0 after it.
+
+    ``completion_ids[B, T]`` are only the generated tokens (the prompt is sliced off by length, so
+    an EOS inside the prompt does not matter). The EOS token is scored because choosing to stop
+    is an action; the padding after it is not.
+    """
+    is_eos = torch.zeros_like(completion_ids, dtype=torch.bool)
+    for eos in eos_token_ids:
+        is_eos |= completion_ids == eos
+    # Tokens strictly after the first EOS have at least one EOS before them.
+    eos_before = torch.cumsum(is_eos.int(), dim=1) - is_eos.int()
+    return (eos_before == 0).to(torch.long)
+
+
+def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+    """Per-token k3 estimate of KL(pi || pi_ref) from samples of pi (Schulman, 2020).
+
+        k3 = exp(ref - logp) - (ref - logp) - 1      (>= 0, unbiased)
+
+    ``ref_logprobs`` come from the frozen reference under ``no_grad``; the gradient flows through
+    ``logprobs`` only.
+    """
+    delta = ref_logprobs - logprobs
+    return torch.exp(delta) - delta - 1
+
+
+def clipped_surrogate(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    epsilon: float,
+    epsilon_high: float | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-token PPO loss and a clipped-token indicator.
+
+        ratio = exp(logp - logp_old)
+        loss  = -min(ratio * A, clip(ratio, 1 - eps, 1 + eps_high) * A)
+
+    ``advantages`` is per sequence ``[B]`` (broadcast over tokens) or per token ``[B, T]``.
+    With ``old_logprobs = logprobs.detach()`` (a batch used once) the ratio is 1 and the gradient is
+    the plain REINFORCE gradient ``-A * grad logp``.
+    """
+    if epsilon_high is None:
+        epsilon_high = epsilon
+    if advantages.dim() == 1:
+        advantages = advantages.unsqueeze(1)
+    ratio = torch.exp(logprobs - old_logprobs)
+    unclipped = ratio * advantages
+    clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * advantages
+    loss = -torch.min(unclipped, clipped)
+    is_clipped = (clipped < unclipped).float()
+    return loss, is_clipped
+
+
+def aggregate_loss(
+    per_token_loss: torch.Tensor,
+    mask: torch.Tensor,
+    aggregation: str,
+    num_sequences: int,
+    num_tokens: int,
+    max_completion_length: int,
+) -> torch.Tensor:
+    """Reduce a per-token loss ``[B, T]`` over a micro-batch that is part of a larger batch.
+
+    The normalisers are those of the *whole* batch (``num_sequences`` sequences holding
+    ``num_tokens`` scored tokens), so summing the micro-batch losses gives the batch loss:
+
+    - ``grpo``     (1/S) sum_i (1/|o_i|) sum_t l_it          per-sequence mean, then mean over sequences
+    - ``dr_grpo``  (1/(S * L_max)) sum_i sum_t l_it           constant normaliser (Dr. GRPO)
+    - ``dapo``     (1/N_tok) sum_i sum_t l_it                 token mean over the batch (DAPO)
+    """
+    mask = mask.to(per_token_loss.dtype)
+    masked = per_token_loss * mask
+    if aggregation == "grpo":
+        lengths = mask.sum(dim=1).clamp(min=1)
+        return (masked.sum(dim=1) / lengths).sum() / num_sequences
+    if aggregation == "dr_grpo":
+        return masked.sum() / (num_sequences * max_completion_length)
+    if aggregation == "dapo":
+        return masked.sum() / max(num_tokens, 1)
+    raise ValueError(f"aggregate_loss: unknown aggregation {aggregation!r}; choose one of {AGGREGATIONS}")
+
+
+def discounted_returns(rewards: torch.Tensor, discount: float) -> torch.Tensor:
+    """Returns ``G_t = r_t + gamma * G_{t+1}`` along the last dimension (turns).
+
+    ``rewards[..., T]``; the return after the last turn is 0.
+    """
+    returns = torch.zeros_like(rewards)
+    running = torch.zeros_like(rewards[..., 0])
+    for t in range(rewards.shape[-1] - 1, -1, -1):
+        running = rewards[..., t] + discount * running
+        returns[..., t] = running
+    return returns

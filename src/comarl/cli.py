@@ -1,0 +1,168 @@
+"""Command line: ``comarl demo``, ``comarl train CONFIG.yaml [--set key=value ...]``, ``comarl fields``."""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import importlib.util
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+from comarl.config import ConfigError, RunSpec, config_class, config_help, load_run_spec
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="comarl", description="Train teams of LLMs with multi-agent RL.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    demo = sub.add_parser("demo", help="train two tiny agents to coordinate, offline on the CPU")
+    demo.add_argument("--out", default=None, help="run folder (default: runs/demo-<time>)")
+    demo.add_argument("--steps", type=int, default=None, help="training steps (default: the demo's)")
+    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--no-progress", action="store_true", help="no progress bar")
+
+    train = sub.add_parser("train", help="train from a YAML run spec")
+    train.add_argument(
+        "config", help="YAML file with trainer, task, model/agents, dataset, reward_funcs, args"
+    )
+    train.add_argument(
+        "--set",
+        dest="overrides",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="override a run field or a trainer field (args.<field> or <field>); repeatable",
+    )
+
+    fields = sub.add_parser("fields", help="list a trainer's config fields with their help")
+    fields.add_argument("trainer", nargs="?", default="magrpo")
+
+    args = parser.parse_args(argv)
+    try:
+        if args.command == "demo":
+            return _demo(args)
+        if args.command == "train":
+            return _train(load_run_spec(args.config, args.overrides))
+        return _fields(args.trainer)
+    except ConfigError as exc:
+        print(f"comarl: error: {exc}", file=sys.stderr)
+        return 2
+
+
+def _demo(args: argparse.Namespace) -> int:
+    from comarl.tasks.demo import DEMO_STEPS, run_demo
+
+    summary = run_demo(
+        args.out, max_steps=args.steps or DEMO_STEPS, seed=args.seed, progress_bar=not args.no_progress
+    )
+    print(
+        f"joint success (greedy): {summary['success_before']:.0%} before training -> {summary['success_after']:.0%} after"
+    )
+    print("conventions the team settled on (open places -> alice's and bob's answers):")
+    for places, answers in summary["conventions"].items():
+        print(f"  {places:<18} -> {' / '.join(answers)}")
+    print(f"run folder: {summary['run_dir']} (config.yaml, metrics.jsonl, plot.png, samples.jsonl, agents/)")
+    return 0
+
+
+def _train(spec: RunSpec) -> int:
+    from comarl.trainers import magrpo
+
+    trainer_cls = {
+        "magrpo": magrpo.MAGRPOTrainer,
+        "mareinforce": magrpo.MAREINFORCETrainer,
+        "marloo": magrpo.MARLOOTrainer,
+        "maremax": magrpo.MAReMaxTrainer,
+    }[spec.trainer]
+    args = spec.trainer_args()
+    if spec.task == "demo":
+        from comarl.tasks import demo
+
+        out = Path(args.output_dir or "runs/demo")
+        paths = demo.build_team(out / "base_models", seed=args.seed)
+        trainer = trainer_cls(
+            agents=[str(p) for p in paths],
+            train_dataset=demo.dataset(),
+            eval_dataset=demo.dataset(),
+            reward_func=demo.meeting_reward,
+            formatters=[demo.formatter(0), demo.formatter(1)],
+            args=args,
+        )
+    else:
+        column = spec.prompt_column
+        trainer = trainer_cls(
+            model=spec.model,
+            agents=spec.agents,
+            num_agents=None if spec.agents else spec.num_agents,
+            train_dataset=_load_dataset(spec.dataset),
+            eval_dataset=_load_dataset(spec.eval_dataset),
+            reward_func=[_import_callable(name) for name in spec.reward_funcs or []],
+            formatters=lambda item: item[column],
+            args=args,
+        )
+    metrics = trainer.train()
+    if trainer.eval_dataset is not None:
+        metrics.update(trainer.evaluate())
+    print(json.dumps({k: round(v, 4) for k, v in metrics.items() if not k.startswith("time/")}, indent=1))
+    return 0
+
+
+def _fields(trainer: str) -> int:
+    try:
+        cls = config_class(trainer)
+    except KeyError:
+        raise ConfigError(
+            f"unknown trainer {trainer!r}; choose magrpo, mareinforce, marloo or maremax"
+        ) from None
+    for name, text in config_help(cls).items():
+        print(f"{name:<26} {text}")
+    return 0
+
+
+def _load_dataset(source: str | None) -> Any:
+    if source is None:
+        return None
+    if source.endswith((".json", ".jsonl")):
+        path = Path(source)
+        if not path.exists():
+            raise ConfigError(f"dataset: {source} does not exist")
+        text = path.read_text()
+        if source.endswith(".jsonl"):
+            return [json.loads(line) for line in text.splitlines() if line.strip()]
+        data = json.loads(text)
+        if not isinstance(data, list):
+            raise ConfigError(f"dataset: {source} must hold a JSON list of objects")
+        return data
+    import datasets
+
+    return datasets.load_dataset(source, split="train")
+
+
+def _import_callable(name: str) -> Callable[..., Any]:
+    """'package.module:function' or 'path/to/file.py:function'."""
+    if ":" not in name:
+        raise ConfigError(f"reward_funcs: {name!r} must look like 'module:function' or 'file.py:function'")
+    module_name, func_name = name.rsplit(":", 1)
+    if module_name.endswith(".py"):
+        path = Path(module_name)
+        if not path.exists():
+            raise ConfigError(f"reward_funcs: {module_name} does not exist")
+        spec = importlib.util.spec_from_file_location(path.stem, path)
+        module = importlib.util.module_from_spec(spec)  # type: ignore[arg-type]
+        spec.loader.exec_module(module)  # type: ignore[union-attr]
+    else:
+        try:
+            module = importlib.import_module(module_name)
+        except ImportError as exc:
+            raise ConfigError(f"reward_funcs: cannot import {module_name!r}: {exc}") from None
+    func = getattr(module, func_name, None)
+    if not callable(func):
+        raise ConfigError(f"reward_funcs: {module_name} has no function {func_name!r}")
+    return func
+
+
+if __name__ == "__main__":
+    sys.exit(main())

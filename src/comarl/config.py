@@ -1,0 +1,494 @@
+"""Configs: one dataclass per trainer family, YAML run specs and ``--set`` overrides.
+
+Every value is validated when the config is built, before any model loads; an error names the
+field and the fix. This module does not import torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import InitVar, dataclass, field
+from pathlib import Path
+from typing import Any
+
+from comarl.choices import AGGREGATIONS, BASELINES, SCALES
+
+
+class ConfigError(ValueError):
+    """A bad configuration value; the message names the field and the fix."""
+
+
+def _help(text: str, **kwargs: Any) -> Any:
+    return field(metadata={"help": text}, **kwargs)
+
+
+JOINT_MODES = ("aligned", "cross")
+REWARD_CALLS = ("per_joint_action", "batched")
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+# CoMLRL spellings accepted by `joint_mode` and `advantage_mode`.
+_JOINT_MODE_ALIASES = {"align": "aligned", "aligned": "aligned", "cross": "cross", "crossed": "cross"}
+_ADVANTAGE_MODES = {"mean": "group_mean", "raw": "none", "max": "group_max", "rloo": "leave_one_out"}
+
+
+@dataclass
+class MAGRPOConfig:
+    """Settings of the MAGRPO family (MAGRPO, MAREINFORCE, MARLOO, MAReMax).
+
+    Batch arithmetic, per agent and per optimizer step::
+
+        completions per agent = prompts_per_step x num_generations
+        micro-batches         = completions per agent / micro_batch_size   (gradient accumulation)
+        joint actions / item  = num_generations            (joint_mode="aligned")
+                              = num_generations ** N       (joint_mode="cross", or max_joint_actions)
+
+    CoMLRL 1.4.3 field names are accepted where they mean the same thing (see ``docs/comlrl.md``).
+    """
+
+    # --- data and schedule
+    num_train_epochs: int = _help("Passes over the training dataset.", default=1)
+    max_steps: int = _help(
+        "Stop after this many optimizer steps (overrides num_train_epochs when > 0).", default=-1
+    )
+    prompts_per_step: int = _help(
+        "Dataset items per training step; every agent answers each of them num_generations times. "
+        "(CoMLRL: per_device_train_batch_size / rollout_buffer_size.)",
+        default=4,
+    )
+    micro_batch_size: int | None = _help(
+        "Completions per forward/backward pass in the update; None = all completions of the step at once. "
+        "Must divide prompts_per_step x num_generations.",
+        default=None,
+    )
+    shuffle: bool = _help("Reshuffle the dataset every epoch (seeded).", default=True)
+    seed: int = _help("Seed for model init, sampling, data order and joint-action sampling.", default=42)
+
+    # --- optimizer
+    learning_rate: float = _help(
+        "AdamW learning rate of every agent without its own (CoMLRL: agent_learning_rate).", default=5e-6
+    )
+    weight_decay: float = _help("AdamW weight decay.", default=0.0)
+    adam_beta1: float = _help("AdamW beta1.", default=0.9)
+    adam_beta2: float = _help("AdamW beta2.", default=0.999)
+    adam_epsilon: float = _help("AdamW epsilon.", default=1e-8)
+    max_grad_norm: float | None = _help(
+        "Clip each agent's gradient to this global norm; None disables.", default=1.0
+    )
+    lr_scheduler_type: str = _help(
+        "Learning-rate schedule after warmup: constant, linear (to 0) or cosine (to 0).", default="constant"
+    )
+    warmup_steps: int = _help("Linear warmup steps from 0 to learning_rate.", default=0)
+    warmup_ratio: float = _help(
+        "Warmup as a fraction of total steps (used when warmup_steps is 0).", default=0.0
+    )
+
+    # --- generation
+    num_generations: int = _help("Completions each agent samples per prompt (the group size G).", default=4)
+    max_new_tokens: int = _help("Maximum tokens per completion.", default=128)
+    min_new_tokens: int = _help("Minimum tokens per completion (EOS is suppressed before it).", default=0)
+    temperature: float = _help(
+        "Sampling temperature; log-probs in the loss use the same temperature.", default=1.0
+    )
+    top_p: float = _help("Nucleus sampling threshold (1.0 = off).", default=1.0)
+    top_k: int | None = _help("Top-k sampling (None or 0 = off).", default=None)
+
+    # --- joint actions, turns, rewards
+    joint_mode: str = _help(
+        "'aligned': G joint actions (sample j of every agent together); 'cross': every combination (G^N), "
+        "each completion's return = mean reward of the joint actions containing it.",
+        default="aligned",
+    )
+    max_joint_actions: int | None = _help(
+        "Cross mode: evaluate at most this many joint actions per item: the G aligned ones plus a seeded "
+        "uniform sample of the others. None = all G^N.",
+        default=None,
+    )
+    num_turns: int = _help(
+        "Turns per episode (multi-turn rollouts need an environment with transitions).", default=1
+    )
+    discount: float = _help("Discount gamma between turns (used, unlike CoMLRL's).", default=1.0)
+    reward_call: str = _help(
+        "How a reward function is called: 'per_joint_action' (CoMLRL: once per joint action with one-element "
+        "lists) or 'batched' (once per step with every joint action of every item; faster).",
+        default="per_joint_action",
+    )
+    reward_weights: list[float] | None = _help(
+        "Weights of several reward functions (default: all 1.0).", default=None
+    )
+    success_threshold: float | None = _help(
+        "A joint action counts as a success when its (weighted) reward >= this; None = report no success rate "
+        "unless the environment does.",
+        default=None,
+    )
+
+    # --- advantages and loss
+    baseline: str = _help(
+        "Advantage baseline: group_mean (MAGRPO), none (MAREINFORCE), leave_one_out (MARLOO), greedy (MAReMax), group_max.",
+        default="group_mean",
+    )
+    scale: str = _help(
+        "Divide advantages by the std of the returns of the 'group', the 'batch', or 'none'.", default="group"
+    )
+    loss_aggregation: str = _help(
+        "grpo (mean per sequence, then over sequences), dr_grpo (sum / (sequences x max_new_tokens)), "
+        "dapo (mean over all tokens of the batch).",
+        default="dapo",
+    )
+    num_iterations: int = _help("Updates per collected batch; > 1 uses the PPO clipped ratio.", default=1)
+    epsilon: float = _help("PPO lower clip: ratio >= 1 - epsilon.", default=0.2)
+    epsilon_high: float | None = _help(
+        "PPO upper clip: ratio <= 1 + epsilon_high (None = epsilon).", default=None
+    )
+    beta: float = _help(
+        "Weight of the k3 KL penalty to a frozen copy of each initial agent (0 = no reference model).",
+        default=0.0,
+    )
+
+    # --- evaluation, logging, output
+    eval_interval: int = _help(
+        "Evaluate every this many steps (0 = only when evaluate() is called).", default=0
+    )
+    eval_num_samples: int | None = _help("Items of the eval dataset to evaluate (None = all).", default=None)
+    num_generations_eval: int = _help("Completions per agent per item at evaluation.", default=1)
+    eval_do_sample: bool = _help("Sample at evaluation instead of greedy decoding.", default=False)
+    logging_steps: int = _help("Write metrics every this many steps.", default=1)
+    log_completions: int = _help("Sample joint actions written to samples.jsonl per logged step.", default=2)
+    output_dir: str | None = _help(
+        "Run folder for config, metrics, plot, samples and agents (None = no files).", default=None
+    )
+    progress_bar: bool = _help("Show a progress bar with the live reward.", default=True)
+
+    # --- devices and precision
+    agent_devices: list[str] | str | None = _help(
+        "Device per agent ('cpu', 'cuda:1', ...), one for all, or None = auto (agent i on GPU i mod #GPUs, else CPU).",
+        default=None,
+    )
+    bf16: bool = _help(
+        "bf16 autocast for forward passes on GPU; weights and AdamW states stay fp32.", default=False
+    )
+    gradient_checkpointing: bool = _help(
+        "Recompute activations in the backward pass to save memory.", default=False
+    )
+
+    # --- CoMLRL 1.4.3 spellings (mapped onto the fields above)
+    num_agents: int | None = _help(
+        "Optional; must match the team the trainer is given (CoMLRL field).", default=None
+    )
+    per_device_train_batch_size: InitVar[int | None] = None
+    rollout_buffer_size: InitVar[int | None] = None
+    agent_learning_rate: InitVar[float | None] = None
+    advantage_mode: InitVar[str | None] = None
+    advantage_normalization: InitVar[bool | None] = None
+    reference_kl_enabled: InitVar[bool | None] = None
+    reference_kl_coef: InitVar[float | None] = None
+    parallel_training: InitVar[str | None] = None
+
+    def __post_init__(
+        self,
+        per_device_train_batch_size: int | None,
+        rollout_buffer_size: int | None,
+        agent_learning_rate: float | None,
+        advantage_mode: str | None,
+        advantage_normalization: bool | None,
+        reference_kl_enabled: bool | None,
+        reference_kl_coef: float | None,
+        parallel_training: str | None,
+    ) -> None:
+        batch_sizes = {v for v in (per_device_train_batch_size, rollout_buffer_size) if v is not None}
+        if len(batch_sizes) > 1:
+            raise ConfigError(
+                "per_device_train_batch_size and rollout_buffer_size both set prompts_per_step; give one"
+            )
+        if batch_sizes:
+            self.prompts_per_step = batch_sizes.pop()
+        if agent_learning_rate is not None:
+            self.learning_rate = agent_learning_rate
+        if advantage_mode is not None:
+            if advantage_mode not in _ADVANTAGE_MODES:
+                raise ConfigError(
+                    f"advantage_mode={advantage_mode!r}: choose one of {list(_ADVANTAGE_MODES)} (or set baseline=)"
+                )
+            self.baseline = _ADVANTAGE_MODES[advantage_mode]
+        if advantage_normalization is not None:
+            self.scale = "group" if advantage_normalization else "none"
+        if reference_kl_enabled is not None or reference_kl_coef is not None:
+            enabled = reference_kl_enabled if reference_kl_enabled is not None else True
+            self.beta = (reference_kl_coef if reference_kl_coef is not None else 0.1) if enabled else 0.0
+        if parallel_training not in (None, "none", "null", "mp"):
+            raise ConfigError(
+                f"parallel_training={parallel_training!r}: use 'none' or 'mp' (or set agent_devices=)"
+            )
+        self.joint_mode = _JOINT_MODE_ALIASES.get(self.joint_mode, self.joint_mode)
+        self.validate()
+
+    # ------------------------------------------------------------------ validation
+    def validate(self) -> None:
+        """Check every field on its own and the batch arithmetic; raise ConfigError naming the field."""
+        positive = (
+            "num_train_epochs",
+            "prompts_per_step",
+            "num_generations",
+            "max_new_tokens",
+            "num_iterations",
+            "num_turns",
+            "logging_steps",
+            "num_generations_eval",
+        )
+        for name in positive:
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ConfigError(f"{name}={value!r}: must be an integer >= 1")
+        for name in ("warmup_steps", "eval_interval", "min_new_tokens", "log_completions"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 0:
+                raise ConfigError(f"{name}={value!r}: must be an integer >= 0")
+        for name in ("learning_rate", "temperature"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
+                raise ConfigError(f"{name}={value!r}: must be a finite number > 0")
+        if not 0 < self.top_p <= 1:
+            raise ConfigError(f"top_p={self.top_p!r}: must be in (0, 1]")
+        if not 0 <= self.discount <= 1:
+            raise ConfigError(f"discount={self.discount!r}: must be in [0, 1]")
+        if not 0 <= self.warmup_ratio < 1:
+            raise ConfigError(f"warmup_ratio={self.warmup_ratio!r}: must be in [0, 1)")
+        if self.beta < 0:
+            raise ConfigError(f"beta={self.beta!r}: must be >= 0")
+        if self.epsilon <= 0 or (self.epsilon_high is not None and self.epsilon_high <= 0):
+            raise ConfigError("epsilon and epsilon_high must be > 0")
+        if self.min_new_tokens > self.max_new_tokens:
+            raise ConfigError(
+                f"min_new_tokens={self.min_new_tokens} > max_new_tokens={self.max_new_tokens}: lower min_new_tokens"
+            )
+        choices = {
+            "joint_mode": JOINT_MODES,
+            "reward_call": REWARD_CALLS,
+            "baseline": BASELINES,
+            "scale": SCALES,
+            "loss_aggregation": AGGREGATIONS,
+            "lr_scheduler_type": LR_SCHEDULES,
+        }
+        for name, allowed in choices.items():
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name}={getattr(self, name)!r}: choose one of {list(allowed)}")
+        G = self.num_generations
+        if G < 2 and (self.baseline in ("group_mean", "leave_one_out", "group_max") or self.scale == "group"):
+            raise ConfigError(
+                f"num_generations={G}: baseline={self.baseline!r} with scale={self.scale!r} compares the samples of a "
+                "group and needs num_generations >= 2 (or use baseline='none', scale='none' / 'batch')"
+            )
+        completions = self.prompts_per_step * G
+        if self.micro_batch_size is not None and (
+            self.micro_batch_size < 1 or completions % self.micro_batch_size
+        ):
+            raise ConfigError(
+                f"micro_batch_size={self.micro_batch_size}: must divide the completions each agent trains on per "
+                f"step, prompts_per_step x num_generations = {self.prompts_per_step} x {G} = {completions}"
+            )
+        if self.max_joint_actions is not None:
+            if self.joint_mode != "cross":
+                raise ConfigError(
+                    "max_joint_actions only applies to joint_mode='cross'; remove it or set joint_mode='cross'"
+                )
+            if self.max_joint_actions < G:
+                raise ConfigError(
+                    f"max_joint_actions={self.max_joint_actions}: must be >= num_generations={G} so that every "
+                    "completion is in at least one joint action"
+                )
+        if self.num_agents is not None and self.num_agents < 1:
+            raise ConfigError(f"num_agents={self.num_agents}: must be >= 1")
+
+    def check_team(self, num_agents: int, dataset_size: int | None) -> None:
+        """Checks that need the team size and dataset length; called before any model loads."""
+        if self.num_agents is not None and self.num_agents != num_agents:
+            raise ConfigError(
+                f"num_agents={self.num_agents} in the config, but the trainer was given {num_agents} agents"
+            )
+        if dataset_size is not None and dataset_size < self.prompts_per_step:
+            raise ConfigError(
+                f"prompts_per_step={self.prompts_per_step} but the training dataset has {dataset_size} items: "
+                "lower prompts_per_step or add data"
+            )
+        if self.joint_mode == "cross" and self.max_joint_actions is None and num_agents > 1:
+            joint = self.num_generations**num_agents
+            if joint > 4096:
+                raise ConfigError(
+                    f"joint_mode='cross' evaluates num_generations ** num_agents = {self.num_generations} ** {num_agents} "
+                    f"= {joint} joint actions per item: set max_joint_actions to sample a subset"
+                )
+        if self.num_turns > 1:
+            raise ConfigError(
+                f"num_turns={self.num_turns}: multi-turn rollouts are not available yet in this version; use num_turns=1"
+            )
+
+    def steps_per_epoch(self, dataset_size: int) -> int:
+        return dataset_size // self.prompts_per_step
+
+    def total_steps(self, dataset_size: int) -> int:
+        if self.max_steps > 0:
+            return self.max_steps
+        return self.steps_per_epoch(dataset_size) * self.num_train_epochs
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+
+@dataclass
+class MAREINFORCEConfig(MAGRPOConfig):
+    """MAREINFORCE: the raw return as the advantage (no baseline, no scaling)."""
+
+    baseline: str = _help("Advantage baseline (MAREINFORCE: none).", default="none")
+    scale: str = _help("Advantage scale (MAREINFORCE: none).", default="none")
+
+
+@dataclass
+class MARLOOConfig(MAGRPOConfig):
+    """MARLOO: leave-one-out baseline, the mean return of the other G-1 samples."""
+
+    baseline: str = _help("Advantage baseline (MARLOO: leave_one_out).", default="leave_one_out")
+    scale: str = _help("Advantage scale (MARLOO: none).", default="none")
+
+
+@dataclass
+class MAReMaxConfig(MAGRPOConfig):
+    """MAReMax: baseline = reward of the team's greedy joint action on the same item."""
+
+    baseline: str = _help("Advantage baseline (MAReMax: greedy).", default="greedy")
+    scale: str = _help("Advantage scale (MAReMax: none).", default="none")
+
+
+def config_help(config_cls: type) -> dict[str, str]:
+    """Field name -> help line, for docs and the CLI."""
+    return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(config_cls)}
+
+
+# ---------------------------------------------------------------------------- run specs (YAML / CLI)
+
+TRAINERS = ("magrpo", "mareinforce", "marloo", "maremax")
+
+
+@dataclass
+class RunSpec:
+    """What `comarl train CONFIG.yaml` runs: a team, a task and the trainer's args."""
+
+    trainer: str = "magrpo"
+    task: str = "demo"
+    model: str | None = None
+    agents: list[str] | None = None
+    num_agents: int = 2
+    dataset: str | None = None
+    eval_dataset: str | None = None
+    reward_funcs: list[str] | None = None
+    prompt_column: str = "prompt"
+    args: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self) -> None:
+        if self.trainer not in TRAINERS:
+            raise ConfigError(f"trainer={self.trainer!r}: choose one of {list(TRAINERS)}")
+        if self.task not in ("demo", "function"):
+            raise ConfigError(
+                f"task={self.task!r}: choose 'demo' or 'function' (a dataset plus reward_funcs)"
+            )
+        if self.task == "function":
+            if not self.dataset:
+                raise ConfigError("task='function' needs dataset: a .json/.jsonl path or a datasets hub name")
+            if not self.reward_funcs:
+                raise ConfigError("task='function' needs reward_funcs: a list of 'module:function' names")
+            if not self.model and not self.agents:
+                raise ConfigError("task='function' needs model: (a hub id or path) or agents: [...]")
+        config_class(self.trainer)(**self.args)  # validates args now, with the field names in the errors
+
+    def trainer_args(self) -> MAGRPOConfig:
+        return config_class(self.trainer)(**self.args)
+
+
+def config_class(trainer: str) -> type[MAGRPOConfig]:
+    return {
+        "magrpo": MAGRPOConfig,
+        "mareinforce": MAREINFORCEConfig,
+        "marloo": MARLOOConfig,
+        "maremax": MAReMaxConfig,
+    }[trainer]
+
+
+def yaml_load(text: str) -> Any:
+    """``yaml.safe_load`` that also reads ``1e-3`` as a float (YAML 1.2; PyYAML's 1.1 reads it as a string)."""
+    import re
+
+    import yaml
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    float_pattern = re.compile(
+        r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[0-9][0-9_]*[eE][-+]?[0-9]+|\.[0-9_]+(?:[eE][-+]?[0-9]+)?"
+        r"|\.(?:inf|Inf|INF))$|^\.(?:nan|NaN|NAN)$"
+    )
+    Loader.add_implicit_resolver("tag:yaml.org,2002:float", float_pattern, list("-+0123456789."))
+    return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader subclass
+
+
+def parse_value(text: str) -> Any:
+    """Parse an override value as YAML (so 1e-3, true, [1, 2] and null mean what they look like)."""
+    return yaml_load(text) if text != "" else ""
+
+
+def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
+    """Apply ``key=value`` overrides; ``args.<field>`` or a bare trainer field reaches the trainer args."""
+    spec_fields = {f.name for f in dataclasses.fields(RunSpec)}
+    trainer = raw.get("trainer", "magrpo")
+    if trainer not in TRAINERS:
+        raise ConfigError(f"trainer={trainer!r}: choose one of {list(TRAINERS)}")
+    arg_fields = {f.name for f in dataclasses.fields(config_class(trainer))} | {
+        "per_device_train_batch_size",
+        "rollout_buffer_size",
+        "agent_learning_rate",
+        "advantage_mode",
+        "advantage_normalization",
+        "reference_kl_enabled",
+        "reference_kl_coef",
+        "parallel_training",
+    }
+    raw = {**raw, "args": dict(raw.get("args") or {})}
+    for item in overrides:
+        if "=" not in item:
+            raise ConfigError(f"--set {item!r}: expected key=value")
+        key, text = item.split("=", 1)
+        key = key.strip()
+        value = parse_value(text)
+        name = key.removeprefix("args.")
+        if key.startswith("args.") or (key not in spec_fields and name in arg_fields):
+            if name not in arg_fields:
+                raise ConfigError(
+                    f"--set {key}: unknown trainer field {name!r} (see `comarl fields {trainer}`)"
+                )
+            raw["args"][name] = value
+        elif key in spec_fields:
+            raw[key] = value
+        else:
+            raise ConfigError(
+                f"--set {key}: unknown key; use a run field {sorted(spec_fields)} or a trainer field"
+            )
+    return raw
+
+
+def load_run_spec(path: str | Path | None, overrides: list[str] | None = None) -> RunSpec:
+    """Read a YAML run spec (or start from defaults), apply overrides and validate."""
+    raw: dict[str, Any] = {}
+    if path is not None:
+        loaded = yaml_load(Path(path).read_text())
+        if loaded is None:
+            loaded = {}
+        if not isinstance(loaded, dict):
+            raise ConfigError(f"{path}: the top level must be a mapping of run fields")
+        raw = loaded
+    raw = apply_overrides(raw, overrides or [])
+    known = {f.name for f in dataclasses.fields(RunSpec)}
+    unknown = sorted(set(raw) - known)
+    if unknown:
+        raise ConfigError(f"unknown run field {unknown[0]!r}; known fields: {sorted(known)}")
+    try:
+        return RunSpec(**raw)
+    except TypeError as exc:  # e.g. an unknown trainer field inside args
+        raise ConfigError(str(exc).replace("__init__()", "args")) from None

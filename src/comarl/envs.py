@@ -1,0 +1,317 @@
+"""The Dec-POMDP environment protocol and the adapter for plain reward functions.
+
+An environment plays one dataset item per episode::
+
+    observations = env.reset(item)          # one prompt per agent
+    result = env.step(joint_action)         # one completion per agent
+    result.rewards                          # one per agent (a shared reward is repeated)
+    result.done, result.observations        # next prompts per agent when not done
+    result.info                             # anything; "success" (bool) is reported when present
+
+The rollout takes many joint actions from the same state (the G samples of every agent, or
+their combinations). It asks for all of them at once through ``step_many`` so an environment
+can score a whole batch in one call; the default implementation copies the episode per joint
+action and calls ``step``.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+Item = Mapping[str, Any]
+
+
+@dataclass
+class StepResult:
+    """What one joint action did: per-agent rewards, whether the episode ended, next observations."""
+
+    rewards: list[float]
+    done: bool = True
+    observations: list[str] | None = None
+    info: dict[str, Any] = field(default_factory=dict)
+    components: dict[str, float] = field(default_factory=dict)
+
+
+class Env:
+    """Base class of Dec-POMDP environments over dataset items. Subclass and implement reset/step."""
+
+    num_agents: int = 1
+
+    def reset(self, item: Item) -> list[str]:
+        """Start an episode on ``item``; return one observation (prompt) per agent."""
+        raise NotImplementedError
+
+    def step(self, joint_action: Sequence[str]) -> StepResult:
+        """Apply one completion per agent; return rewards, done, next observations and info."""
+        raise NotImplementedError
+
+    def step_many(
+        self, episodes: Sequence[Env], joint_actions: Sequence[Sequence[Sequence[str]]]
+    ) -> list[list[StepResult]]:
+        """For each episode (an env after ``reset``), apply each of its joint actions from that same state.
+
+        ``joint_actions[e][k]`` is the k-th joint action of episode ``e``. Returns results of the same
+        shape. The default copies the episode for every joint action, so that siblings never see
+        each other's moves; override it to score a whole batch at once.
+        """
+        return [
+            [copy.deepcopy(ep).step(action) for action in actions]
+            for ep, actions in zip(episodes, joint_actions)
+        ]
+
+
+# ----------------------------------------------------------------------------- reward functions
+
+
+class RewardFunctionError(RuntimeError):
+    """A reward function raised, or returned a value the trainer cannot use."""
+
+
+def _where(items: Sequence[Item]) -> str:
+    """Name the item(s) of a reward call for an error message."""
+    if len({_short(item) for item in items}) == 1:
+        return f"item {_short(items[0])}"
+    return f"a batch of {len(items)} items (first: {_short(items[0])})"
+
+
+def _short(item: Any, limit: int = 120) -> str:
+    text = repr(dict(item) if isinstance(item, Mapping) else item)
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+@dataclass
+class RewardFunction:
+    """A user reward function and how it is called.
+
+    The function receives one list of completions per agent as its first ``num_agents``
+    positional arguments, then, by keyword, those of these it declares (all of them if it takes
+    ``**kwargs``): ``prompts`` (one list per agent), ``batch_items`` (the dataset items) and every
+    column of the dataset item (one value per joint action). All lists are aligned: element ``k``
+    belongs to joint action ``k``.
+
+    It returns one reward per joint action (shared by the team) or, per joint action, a sequence
+    of ``num_agents`` rewards (one per agent).
+    """
+
+    func: Callable[..., Any]
+    name: str
+    weight: float = 1.0
+    num_agents: int = 1
+
+    def __post_init__(self) -> None:
+        signature = inspect.signature(self.func)
+        params = list(signature.parameters.values())
+        positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+        takes_varargs = any(p.kind == p.VAR_POSITIONAL for p in params)
+        if len(positional) < self.num_agents and not takes_varargs:
+            raise RewardFunctionError(
+                f"reward function {self.name!r} takes {len(positional)} positional argument(s) but the team has "
+                f"{self.num_agents} agent(s): it must accept one list of completions per agent, e.g. "
+                f"def {self.name}({', '.join(f'completions_{i}' for i in range(self.num_agents))}, **kwargs)"
+            )
+        self._takes_all = any(p.kind == p.VAR_KEYWORD for p in params)
+        keyword_params = positional[self.num_agents :] + [p for p in params if p.kind == p.KEYWORD_ONLY]
+        self._keywords = {p.name for p in keyword_params}
+        required = [p.name for p in keyword_params if p.default is p.empty]
+        self._required = required
+
+    def __call__(
+        self,
+        completions: Sequence[Sequence[str]],
+        prompts: Sequence[Sequence[str]],
+        items: Sequence[Item],
+    ) -> list[list[float]]:
+        """Call once on K joint actions; return a K x num_agents list of finite floats."""
+        available: dict[str, Any] = {"prompts": [list(p) for p in prompts], "batch_items": list(items)}
+        columns = {key for item in items for key in item}
+        for key in columns:
+            available.setdefault(key, [item.get(key) for item in items])
+        missing = [name for name in self._required if name not in available]
+        if missing:
+            raise RewardFunctionError(
+                f"reward function {self.name!r} requires argument {missing[0]!r}, which is neither a dataset column "
+                f"nor one of 'prompts', 'batch_items'; give it a default or rename it"
+            )
+        kwargs = available if self._takes_all else {k: v for k, v in available.items() if k in self._keywords}
+        try:
+            value = self.func(*[list(c) for c in completions], **kwargs)
+        except Exception as exc:
+            raise RewardFunctionError(
+                f"reward function {self.name!r} raised on {_where(items)}: {type(exc).__name__}: {exc}"
+            ) from exc
+        return self._check(value, items)
+
+    def _check(self, value: Any, items: Sequence[Item]) -> list[list[float]]:
+        count = len(items)
+        if hasattr(value, "tolist"):  # torch / numpy
+            value = value.tolist()
+        if isinstance(value, (int, float)) and count == 1:
+            value = [value]
+        if not isinstance(value, Sequence) or isinstance(value, str):
+            raise RewardFunctionError(
+                f"reward function {self.name!r} returned {_short(value)} on {_where(items)}: "
+                f"expected a list of {count} rewards"
+            )
+        if len(value) != count:
+            raise RewardFunctionError(
+                f"reward function {self.name!r} returned {len(value)} values on {_where(items)}: expected "
+                f"{count} (one per joint action, or one list of {self.num_agents} per joint action)"
+            )
+        rows: list[list[float]] = []
+        for k, v in enumerate(value):
+            where = _where(items[k : k + 1])
+            if isinstance(v, Sequence) and not isinstance(v, str):
+                if len(v) != self.num_agents:
+                    raise RewardFunctionError(
+                        f"reward function {self.name!r} returned per-agent rewards {_short(v)} on {where}: "
+                        f"expected {self.num_agents} values (one per agent)"
+                    )
+                row = list(v)
+            else:
+                row = [v] * self.num_agents
+            for r in row:
+                if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
+                    raise RewardFunctionError(
+                        f"reward function {self.name!r} returned {r!r} on {where}: rewards must be finite numbers"
+                    )
+            rows.append([float(r) for r in row])
+        return rows
+
+
+def reward_functions(
+    funcs: Callable[..., Any] | Sequence[Callable[..., Any]],
+    weights: Sequence[float] | None,
+    num_agents: int,
+) -> list[RewardFunction]:
+    """Wrap one or several reward callables with their weights and unique names for logging."""
+    funcs = [funcs] if callable(funcs) else list(funcs)
+    if not funcs:
+        raise RewardFunctionError("reward_func: give at least one reward function")
+    if weights is not None and len(weights) != len(funcs):
+        raise RewardFunctionError(
+            f"reward_weights has {len(weights)} values but there are {len(funcs)} reward functions"
+        )
+    wrapped, seen = [], set()
+    for i, func in enumerate(funcs):
+        if not callable(func):
+            raise RewardFunctionError(f"reward_func[{i}] is {func!r}, not a callable")
+        name = getattr(func, "__name__", "") or type(func).__name__
+        if name == "<lambda>" or name in seen:
+            name = f"reward_{i}"
+        seen.add(name)
+        wrapped.append(RewardFunction(func, name, 1.0 if weights is None else float(weights[i]), num_agents))
+    return wrapped
+
+
+class FunctionEnv(Env):
+    """A one-turn environment from plain functions: prompts from formatters, rewards from reward functions.
+
+    ``reward_call="batched"`` calls each reward function once per ``step_many`` with every joint
+    action of every episode; ``"per_joint_action"`` calls it once per joint action with
+    one-element lists (the CoMLRL convention). Both give the same rewards.
+    """
+
+    def __init__(
+        self,
+        reward_funcs: Callable[..., Any] | Sequence[Callable[..., Any]],
+        formatters: Callable[[Item], Any] | Sequence[Callable[[Item], Any]] | None = None,
+        num_agents: int = 1,
+        reward_weights: Sequence[float] | None = None,
+        reward_call: str = "per_joint_action",
+        reward_processor: Callable[[float], float] | None = None,
+        success_threshold: float | None = None,
+    ) -> None:
+        if reward_call not in ("per_joint_action", "batched"):
+            raise ValueError(f"reward_call={reward_call!r}: choose 'per_joint_action' or 'batched'")
+        self.num_agents = num_agents
+        self.rewards = reward_functions(reward_funcs, reward_weights, num_agents)
+        self.formatters = _formatters(formatters, num_agents)
+        self.reward_call = reward_call
+        self.reward_processor = reward_processor
+        self.success_threshold = success_threshold
+        self.item: Item = {}
+        self.prompts: list[Any] = []
+
+    def reset(self, item: Item) -> list[Any]:
+        self.item = item
+        self.prompts = [f(item) for f in self.formatters]
+        return list(self.prompts)
+
+    def step(self, joint_action: Sequence[str]) -> StepResult:
+        return self.step_many([self], [[joint_action]])[0][0]
+
+    def step_many(
+        self, episodes: Sequence[Env], joint_actions: Sequence[Sequence[Sequence[str]]]
+    ) -> list[list[StepResult]]:
+        flat = [(ep, action) for ep, actions in zip(episodes, joint_actions) for action in actions]
+        if not flat:
+            return [[] for _ in episodes]
+        calls = [flat] if self.reward_call == "batched" else [[pair] for pair in flat]
+        scores: dict[str, list[list[float]]] = {fn.name: [] for fn in self.rewards}
+        for call in calls:
+            eps = [ep for ep, _ in call]
+            completions = [[action[i] for _, action in call] for i in range(self.num_agents)]
+            prompts = [[_prompt_text(ep.prompts[i]) for ep in eps] for i in range(self.num_agents)]  # type: ignore[attr-defined]
+            items = [ep.item for ep in eps]  # type: ignore[attr-defined]
+            for fn in self.rewards:
+                scores[fn.name].extend(fn(completions, prompts, items))
+        results, k = [], 0
+        for actions in joint_actions:
+            row = []
+            for _ in actions:
+                components = {name: sum(values[k]) / self.num_agents for name, values in scores.items()}
+                rewards = [
+                    sum(fn.weight * self._process(scores[fn.name][k][i]) for fn in self.rewards)
+                    for i in range(self.num_agents)
+                ]
+                info = {}
+                if self.success_threshold is not None:
+                    info["success"] = sum(rewards) / len(rewards) >= self.success_threshold
+                row.append(StepResult(rewards=rewards, done=True, info=info, components=components))
+                k += 1
+            results.append(row)
+        return results
+
+    def _process(self, value: float) -> float:
+        if self.reward_processor is None:
+            return value
+        out = float(self.reward_processor(value))
+        if not math.isfinite(out):
+            raise RewardFunctionError(f"reward_processor turned reward {value!r} into {out!r}")
+        return out
+
+
+def _prompt_text(prompt: Any) -> str:
+    """A prompt as text: strings as they are, chat messages as their contents joined."""
+    if isinstance(prompt, str):
+        return prompt
+    return "\n".join(str(m.get("content", "")) for m in prompt)
+
+
+def _formatters(formatters: Any, num_agents: int) -> list[Callable[[Item], Any]]:
+    if formatters is None:
+        return [_default_formatter] * num_agents
+    if callable(formatters):
+        return [formatters] * num_agents
+    formatters = list(formatters)
+    if len(formatters) != num_agents:
+        raise ValueError(
+            f"formatters: got {len(formatters)} formatters for {num_agents} agents; give one per agent or one for all"
+        )
+    for i, f in enumerate(formatters):
+        if not callable(f):
+            raise ValueError(f"formatters[{i}] is {f!r}, not a callable taking the dataset item")
+    return formatters
+
+
+def _default_formatter(item: Item) -> str:
+    if "prompt" not in item:
+        raise KeyError(
+            f"the default formatter reads item['prompt'], but the item has columns {sorted(item)}; pass formatters="
+        )
+    return item["prompt"]

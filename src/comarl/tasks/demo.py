@@ -1,0 +1,157 @@
+"""The offline demo: two tiny agents learn to meet at the same place without talking.
+
+The game (a coordination game, played once per dataset item): two of four places are open in
+a city, and each agent sees them in its own order::
+
+    alice sees:  "alice is in paris . the park and the cafe are open . where will you meet bob ?"
+    bob sees:    "bob is in paris . the cafe and the park are open . where will you meet alice ?"
+
+Each agent answers with a word. The team scores 1.0 when both name the *same open* place;
+there is a small shared bonus of 0.1 for each agent that names an open place at all, so that
+random models find the answer vocabulary. Matching is only possible together, and each pair of
+open places has two equally good answers: the agents must read their observation and settle on
+a convention (say, "the museum whenever it is open") that neither can impose alone. Random
+models succeed about 1% of the time.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+CITIES = ("paris", "tokyo", "cairo", "lima", "oslo", "delhi")
+PLACES = ("cafe", "park", "museum", "station")
+NAMES = ("alice", "bob")
+VALID_BONUS = 0.1
+
+
+def first_word(text: str) -> str:
+    """The answer: the first word of a completion, lower-cased, without punctuation."""
+    for word in text.lower().split():
+        word = word.strip(".,!?;:\"'")
+        if word:
+            return word
+    return ""
+
+
+def meeting_reward(
+    alice: Sequence[str], bob: Sequence[str], open_places: Sequence[Sequence[str]], **_: Any
+) -> list[float]:
+    """Shared reward per joint action: 1.0 for the same open place, else 0.1 per agent naming an open place."""
+    rewards = []
+    for a, b, places in zip(alice, bob, open_places):
+        wa, wb = first_word(a), first_word(b)
+        if wa == wb and wa in places:
+            rewards.append(1.0)
+        else:
+            rewards.append(VALID_BONUS * ((wa in places) + (wb in places)))
+    return rewards
+
+
+def formatter(agent: int):  # noqa: ANN201
+    """Agent ``agent``'s view of an item: bob lists the open places in the opposite order."""
+    me, partner = NAMES[agent], NAMES[1 - agent]
+
+    def view(item: dict[str, Any]) -> str:
+        first, second = item["open_places"] if agent == 0 else item["open_places"][::-1]
+        return f"{me} is in {item['city']} . the {first} and the {second} are open . where will you meet {partner} ?"
+
+    return view
+
+
+def dataset(cities: Sequence[str] = CITIES) -> list[dict[str, Any]]:
+    """One item per city and pair of open places (6 x 6 = 36)."""
+    return [
+        {"city": city, "open_places": list(pair)}
+        for city in cities
+        for pair in itertools.combinations(PLACES, 2)
+    ]
+
+
+def corpus() -> list[str]:
+    """Local text the demo tokenizers are trained on: every prompt and every possible answer."""
+    lines = [formatter(i)(item) for i in range(2) for item in dataset()]
+    lines += [f"{name} meets at the {place} ." for name in NAMES for place in PLACES]
+    return lines
+
+
+def build_team(base_dir: str | Path, seed: int = 0) -> list[Path]:
+    """Two different tiny architectures (Llama and GPT-2), random weights, word-level tokenizers, saved to disk."""
+    from comarl.tiny import tiny_model
+
+    base = Path(base_dir)
+    return [
+        tiny_model(base / "alice-llama", texts=corpus(), kind="word", arch="llama", seed=seed),
+        tiny_model(base / "bob-gpt2", texts=corpus(), kind="word", arch="gpt2", seed=seed + 1),
+    ]
+
+
+def demo_config(
+    output_dir: str | Path | None, max_steps: int = 120, seed: int = 0, progress_bar: bool = True
+):  # noqa: ANN201
+    """The demo's training settings (cross joint actions, batched reward calls)."""
+    from comarl.config import MAGRPOConfig
+
+    return MAGRPOConfig(
+        max_steps=max_steps,
+        prompts_per_step=6,
+        num_generations=6,
+        joint_mode="cross",
+        max_new_tokens=3,
+        learning_rate=3e-3,
+        lr_scheduler_type="constant",
+        reward_call="batched",
+        success_threshold=1.0,
+        seed=seed,
+        output_dir=None if output_dir is None else str(output_dir),
+        progress_bar=progress_bar,
+        log_completions=3,
+    )
+
+
+def run_demo(
+    out: str | Path | None = None, max_steps: int = 120, seed: int = 0, progress_bar: bool = True
+) -> dict[str, Any]:
+    """Build the tiny team, measure it, train it, measure again; write everything into a run folder."""
+    from comarl.tracking import plot_metrics
+    from comarl.trainers.magrpo import MAGRPOTrainer
+
+    run_dir = Path(out) if out is not None else Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
+    run_dir.mkdir(parents=True, exist_ok=True)
+    paths = build_team(run_dir / "base_models", seed=seed)
+    trainer = MAGRPOTrainer(
+        agents=[str(p) for p in paths],
+        train_dataset=dataset(),
+        eval_dataset=dataset(),
+        reward_func=meeting_reward,
+        formatters=[formatter(0), formatter(1)],
+        args=demo_config(run_dir, max_steps, seed, progress_bar),
+    )
+    trainer.args.eval_do_sample = True
+    trainer.args.num_generations_eval = 8
+    before = trainer.evaluate()
+    trainer.args.eval_do_sample = False
+    trainer.args.num_generations_eval = 1
+    trainer.train()
+    after = trainer.evaluate()
+    plot_metrics(run_dir / "metrics.jsonl", run_dir / "plot.png")
+    summary = {
+        "run_dir": str(run_dir),
+        "success_before": before["eval/success"],
+        "success_after": after["eval/success"],
+        "reward_before": before["eval/reward"],
+        "reward_after": after["eval/reward"],
+    }
+    conventions = {}
+    for item in dataset(CITIES[:1]):
+        prompts = [formatter(i)(item) for i in range(2)]
+        answers = [
+            trainer.engine.generate(agent, [prompts[i]], 1, trainer._sampling(do_sample=False)).completions[0]
+            for i, agent in enumerate(trainer.team)
+        ]
+        conventions[" / ".join(item["open_places"])] = [first_word(a) for a in answers]
+    summary["conventions"] = conventions
+    return summary

@@ -1,0 +1,193 @@
+"""Run-folder outputs (metrics, samples, plot) and a console progress bar.
+
+A run folder gets ``metrics.jsonl`` (one JSON object per logged step), ``samples.jsonl``
+(example rollouts) and, when the run closes, ``plot.png``. ``rich`` and ``matplotlib`` are
+imported only when needed, so importing this module stays cheap.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+from collections.abc import Sequence
+from pathlib import Path
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rich.progress import Progress
+
+METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"
+PLOT_FILE = "plot.png"
+LIVE_KEYS = ("reward", "success")
+
+
+def _to_plain(value: Any) -> Any:
+    """Turn torch tensors and numpy scalars/arrays into plain Python values for JSON."""
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:
+        return value.item()
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    return value
+
+
+def _json_default(value: Any) -> Any:
+    plain = _to_plain(value)
+    if plain is value:
+        return str(value)
+    return plain
+
+
+class RunLogger:
+    """Write metrics and samples to a run folder and show training progress on the console.
+
+    ``run_dir=None`` writes nothing to disk; ``console=False`` draws no progress bar. Steps are
+    1-based: ``log(step, ...)`` moves the bar to ``step`` of ``total_steps``. Use it as a context
+    manager, or call :meth:`close` at the end (which also writes ``plot.png``).
+    """
+
+    def __init__(
+        self,
+        run_dir: str | Path | None,
+        *,
+        total_steps: int,
+        console: bool = True,
+        description: str = "training",
+    ) -> None:
+        self.run_dir = Path(run_dir) if run_dir is not None else None
+        if self.run_dir is not None:
+            self.run_dir.mkdir(parents=True, exist_ok=True)
+        self.total_steps = total_steps
+        self.description = description
+        self._live: dict[str, float] = {}
+        self._closed = False
+        self._progress: Progress | None = None
+        if console:
+            from rich.progress import (
+                BarColumn,
+                MofNCompleteColumn,
+                Progress,
+                TextColumn,
+                TimeElapsedColumn,
+                TimeRemainingColumn,
+            )
+
+            self._progress = Progress(
+                TextColumn("[progress.description]{task.description}"),
+                BarColumn(),
+                MofNCompleteColumn(),
+                TimeElapsedColumn(),
+                TimeRemainingColumn(),
+            )
+            self._task = self._progress.add_task(description, total=total_steps)
+            self._progress.start()
+
+    @property
+    def metrics_path(self) -> Path | None:
+        """Path of ``metrics.jsonl``, or ``None`` when nothing is written to disk."""
+        return self.run_dir / METRICS_FILE if self.run_dir is not None else None
+
+    def _write(self, name: str, row: dict[str, Any]) -> None:
+        if self.run_dir is None:
+            return
+        with open(self.run_dir / name, "a", encoding="utf-8") as handle:
+            handle.write(json.dumps(row, default=_json_default) + "\n")
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        """Append ``{"step": step, **metrics}`` to ``metrics.jsonl`` and advance the progress bar."""
+        row = {"step": step, **{key: _to_plain(value) for key, value in metrics.items()}}
+        self._write(METRICS_FILE, row)
+        for key in LIVE_KEYS:
+            if isinstance(row.get(key), int | float):
+                self._live[key] = float(row[key])
+        if self._progress is not None:
+            live = " ".join(f"{key}={value:.3f}" for key, value in self._live.items())
+            description = f"{self.description} {live}" if live else self.description
+            self._progress.update(self._task, completed=step, description=description)
+
+    def log_samples(self, step: int, samples: list[dict]) -> None:
+        """Append each sample, tagged with ``step``, as one line of ``samples.jsonl``."""
+        for sample in samples:
+            self._write(SAMPLES_FILE, {"step": step, **sample})
+
+    def print(self, message: str) -> None:
+        """Print a message (above the progress bar when one is shown); rich markup is not parsed."""
+        if self._progress is not None:
+            self._progress.console.print(message, markup=False)
+        else:
+            print(message)
+
+    def close(self) -> None:
+        """Stop the progress bar and write ``plot.png`` if metrics were logged."""
+        if self._closed:
+            return
+        self._closed = True
+        if self._progress is not None:
+            self._progress.stop()
+        metrics_path = self.metrics_path
+        if metrics_path is not None and metrics_path.exists():
+            # ValueError: none of the plotted keys was logged, so there is nothing to draw.
+            with contextlib.suppress(ValueError):
+                plot_metrics(metrics_path, metrics_path.with_name(PLOT_FILE))
+
+    def __enter__(self) -> RunLogger:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        traceback: TracebackType | None,
+    ) -> None:
+        self.close()
+
+
+def read_metrics(path: str | Path) -> list[dict]:
+    """Read a ``metrics.jsonl`` file into a list of dicts (blank lines are skipped)."""
+    with open(path, encoding="utf-8") as handle:
+        return [json.loads(line) for line in handle if line.strip()]
+
+
+def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
+    points = [(row["step"], row[key]) for row in rows if isinstance(row.get(key), int | float)]
+    return [step for step, _ in points], [value for _, value in points]
+
+
+def plot_metrics(
+    metrics_path: str | Path, out_path: str | Path, keys: Sequence[str] = ("reward", "success")
+) -> Path:
+    """Plot ``keys`` from a ``metrics.jsonl`` against step and save a PNG to ``out_path``.
+
+    One subplot per key found in the metrics; ``eval/<key>``, when logged, is drawn on the same
+    subplot as a second line with markers. Keys missing from every row are skipped; if none is
+    present a ``ValueError`` is raised.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.ticker import MaxNLocator
+
+    rows = read_metrics(metrics_path)
+    present = [key for key in keys if any(_series(rows, name)[0] for name in (key, f"eval/{key}"))]
+    if not present:
+        raise ValueError(f"none of the keys {list(keys)} appear in {metrics_path}")
+
+    figure = Figure(figsize=(5 * len(present), 3.5))
+    FigureCanvasAgg(figure)
+    axes = figure.subplots(1, len(present), squeeze=False)[0]
+    for ax, key in zip(axes, present):
+        steps, values = _series(rows, key)
+        if steps:
+            ax.plot(steps, values, label="train")
+        eval_steps, eval_values = _series(rows, f"eval/{key}")
+        if eval_steps:
+            ax.plot(eval_steps, eval_values, marker="o", label="eval")
+            ax.legend()
+        ax.set_title(key)
+        ax.set_xlabel("step")
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))
+        ax.grid(alpha=0.3)
+    figure.tight_layout()
+    out_path = Path(out_path)
+    figure.savefig(out_path, dpi=100)
+    return out_path

@@ -1,0 +1,548 @@
+"""MAGRPO and its family (MAREINFORCE, MARLOO, MAReMax): one loop, different advantage settings.
+
+One training step, top to bottom (``training_step``):
+
+1. take ``prompts_per_step`` dataset items;
+2. every agent samples ``num_generations`` completions per item in one batched generate;
+3. joint actions (aligned or cross) go to the environment, which returns rewards;
+4. each completion gets a return (mean reward of the joint actions containing it);
+5. advantages per group of G samples (baseline + scale from the config);
+6. each agent takes ``num_iterations`` optimizer steps on its own completions:
+   token log-probs from one batched forward per micro-batch, clipped policy loss, optional KL.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+import random
+import time
+import warnings
+from collections.abc import Callable, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import nullcontext
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from comarl.agents import Agent, Team
+from comarl.algorithms import aggregate_loss, clipped_surrogate, group_advantages, kl_k3
+from comarl.config import ConfigError, MAGRPOConfig, MAREINFORCEConfig, MAReMaxConfig, MARLOOConfig
+from comarl.engines import Generation, HFEngine, SamplingParams
+from comarl.envs import Env, FunctionEnv
+from comarl.rollout import Rollout, collect
+
+
+class MAGRPOTrainer:
+    """Multi-agent GRPO: group-relative advantages per agent from a joint (or per-agent) reward.
+
+    A team is given as ``model=`` (a hub id, a path or a model object) with ``num_agents``
+    copies, as ``agents=[...]`` (different models, strings or objects or ``Agent``), or as
+    ``team=Team([...])``. The task is ``reward_func`` + ``formatters`` (wrapped in a
+    ``FunctionEnv``) or an ``env=``. ``num_agents=1`` is single-agent GRPO.
+    """
+
+    config_class: type[MAGRPOConfig] = MAGRPOConfig
+
+    def __init__(
+        self,
+        model: Any = None,
+        num_agents: int | None = None,
+        tokenizer: Any = None,
+        train_dataset: Any = None,
+        eval_dataset: Any = None,
+        reward_func: Callable[..., Any] | Sequence[Callable[..., Any]] | None = None,
+        formatters: Callable[[Any], Any] | Sequence[Callable[[Any], Any]] | None = None,
+        args: MAGRPOConfig | None = None,
+        *,
+        agents: Sequence[Any] | None = None,
+        agent_model: Any = None,
+        team: Team | None = None,
+        env: Env | None = None,
+        reward_processor: Callable[[float], float] | None = None,
+        model_config: dict[str, Any] | None = None,
+        external_transition: Callable[..., Any] | None = None,
+        wandb_config: dict[str, Any] | None = None,
+    ) -> None:
+        args = self.config_class() if args is None else args
+        if not isinstance(args, self.config_class):
+            raise ConfigError(
+                f"{type(self).__name__} needs args={self.config_class.__name__}(...), got {type(args).__name__}"
+            )
+        self.args = args
+        if external_transition is not None:
+            raise ConfigError("external_transition: multi-turn rollouts are not available in this version")
+        if wandb_config is not None:
+            warnings.warn("wandb_config is ignored: metrics go to output_dir/metrics.jsonl", stacklevel=2)
+
+        # Everything that can be checked without loading a model is checked first.
+        sources = _team_sources(model, agent_model, agents, team, num_agents)
+        n = len(sources)
+        if train_dataset is None:
+            raise ConfigError(
+                f"{type(self).__name__}: train_dataset is required (a datasets.Dataset or a list of dicts)"
+            )
+        args.check_team(n, len(train_dataset))
+        if formatters is None and all(isinstance(s, Agent) and s.formatter is not None for s in sources):
+            formatters = [s.formatter for s in sources]
+        if env is None:
+            if reward_func is None:
+                raise ConfigError(f"{type(self).__name__}: give reward_func= (with formatters=) or env=")
+            env = FunctionEnv(
+                reward_func,
+                formatters,
+                n,
+                args.reward_weights,
+                args.reward_call,
+                reward_processor,
+                args.success_threshold,
+            )
+        elif reward_func is not None or formatters is not None:
+            raise ConfigError("give either env= or reward_func=/formatters=, not both")
+        if getattr(env, "num_agents", n) != n:
+            raise ConfigError(f"env.num_agents={env.num_agents} but the team has {n} agents")
+        self.env = env
+        self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
+        self.num_agents = n
+
+        set_seed(args.seed)
+        devices = _agent_devices(args.agent_devices, n)
+        self.team = (
+            team
+            if team is not None
+            else Team(
+                [_load_agent(src, tokenizer, i, devices[i], model_config) for i, src in enumerate(sources)]
+            )
+        )
+        for agent in self.team:
+            if args.gradient_checkpointing:
+                agent.model.gradient_checkpointing_enable()
+            agent.model.train()
+        self.engine = HFEngine()
+        distinct = {str(a.device) for a in self.team}
+        # Agents on separate accelerators generate concurrently; on one device they take turns.
+        self.pool = (
+            ThreadPoolExecutor(max_workers=n)
+            if n > 1 and len(distinct) == n and "cpu" not in distinct
+            else None
+        )
+        self.optimizers = [self._optimizer(agent) for agent in self.team]
+        self.total_steps = args.total_steps(len(train_dataset))
+        self.schedulers = [
+            torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args, self.total_steps * args.num_iterations))
+            for opt in self.optimizers
+        ]
+        self.references = [_frozen_copy(a.model) for a in self.team] if args.beta > 0 else None
+        self.joint_generator = torch.Generator().manual_seed(args.seed + 1)
+        self.step = 0
+
+    # ------------------------------------------------------------------ training
+    def train(self) -> dict[str, float]:
+        """Run ``total_steps`` training steps; log, evaluate, and save the agents into ``output_dir``."""
+        from comarl.tracking import RunLogger
+
+        args = self.args
+        run_dir = Path(args.output_dir) if args.output_dir else None
+        if run_dir is not None:
+            run_dir.mkdir(parents=True, exist_ok=True)
+            self._write_config(run_dir)
+        last: dict[str, float] = {}
+        with RunLogger(
+            run_dir,
+            total_steps=self.total_steps,
+            console=args.progress_bar,
+            description=type(self).__name__.removesuffix("Trainer"),
+        ) as logger:
+            for items in self._batches():
+                self.step += 1
+                metrics, samples = self.training_step(items)
+                last = metrics
+                if self.step % args.logging_steps == 0 or self.step == self.total_steps:
+                    logger.log(self.step, metrics)
+                    logger.log_samples(self.step, samples)
+                if (
+                    args.eval_interval
+                    and self.step % args.eval_interval == 0
+                    and self.eval_dataset is not None
+                ):
+                    logger.log(self.step, self.evaluate())
+        if run_dir is not None:
+            self.save_model(run_dir / "agents")
+        return last
+
+    def training_step(self, items: Sequence[Any]) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """Collect one batch of joint experience and update every agent once (``num_iterations`` steps)."""
+        args = self.args
+        t0 = time.perf_counter()
+        timer: dict[str, float] = {}
+        rollout = collect(
+            self.env,
+            self.team.agents,
+            items,
+            engine=self.engine,
+            num_generations=args.num_generations,
+            params=self._sampling(),
+            joint_mode=args.joint_mode,
+            max_joint_actions=args.max_joint_actions,
+            generator=self.joint_generator,
+            pool=self.pool,
+            on_generated=lambda: timer.setdefault("generate", time.perf_counter() - t0),
+        )
+        greedy = self._greedy_returns(items) if args.baseline == "greedy" else None
+        t1 = time.perf_counter()
+        metrics = rollout_metrics(rollout)
+        advantages = []
+        for i in range(self.num_agents):
+            adv = group_advantages(
+                rollout.returns[i], args.baseline, args.scale, None if greedy is None else greedy[i]
+            ).flatten()
+            advantages.append(adv)
+            metrics.update(
+                {f"agent_{i}/{k}": v for k, v in self.update_agent(i, rollout.generations[i], adv).items()}
+            )
+        t2 = time.perf_counter()
+        completions = sum(len(g.completions) for g in rollout.generations)
+        metrics.update(
+            {
+                "time/generate": timer.get("generate", 0.0),
+                "time/reward": t1 - t0 - timer.get("generate", 0.0),
+                "time/update": t2 - t1,
+                "time/step": t2 - t0,
+                "completions_per_s": completions / (t2 - t0),
+            }
+        )
+        return metrics, self._samples(items, rollout, advantages)
+
+    def update_agent(self, i: int, gen: Generation, advantages: torch.Tensor) -> dict[str, float]:
+        """``num_iterations`` optimizer steps of agent ``i`` on its completions; returns its metrics."""
+        args, agent, optimizer = self.args, self.team[i], self.optimizers[i]
+        device = agent.device
+        advantages = advantages.to(device)
+        M = gen.completion_ids.shape[0]
+        micro = args.micro_batch_size or M
+        num_tokens = gen.num_tokens
+        batches = [slice(s, s + micro) for s in range(0, M, micro)]
+        # Behaviour and reference log-probs only when the loss needs them.
+        old = self._logprobs(agent, gen, batches) if args.num_iterations > 1 else None
+        ref = self._logprobs(agent, gen, batches, self.references[i]) if self.references is not None else None
+        totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0}
+        for _ in range(args.num_iterations):
+            totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0}
+            for sl in batches:
+                mask = gen.completion_mask[sl]
+                with self._autocast(device):
+                    logp = agent.completion_logprobs(
+                        gen.prompt_ids[sl],
+                        gen.prompt_mask[sl],
+                        gen.completion_ids[sl],
+                        mask,
+                        args.temperature,
+                    )
+                behaviour = logp.detach() if old is None else old[sl]
+                per_token, clipped = clipped_surrogate(
+                    logp, behaviour, advantages[sl], args.epsilon, args.epsilon_high
+                )
+                if ref is not None:
+                    kl = kl_k3(logp, ref[sl])
+                    per_token = per_token + args.beta * kl
+                    totals["kl"] += float((kl.detach() * mask).sum()) / max(num_tokens, 1)
+                loss = aggregate_loss(
+                    per_token, mask, args.loss_aggregation, M, num_tokens, args.max_new_tokens
+                )
+                loss.backward()
+                totals["loss"] += float(loss.detach())
+                totals["clip_fraction"] += float((clipped * mask).sum()) / max(num_tokens, 1)
+            params = [p for p in agent.model.parameters() if p.requires_grad]
+            max_norm = args.max_grad_norm if args.max_grad_norm is not None else math.inf
+            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+            optimizer.step()
+            self.schedulers[i].step()
+            optimizer.zero_grad(set_to_none=True)
+        return {
+            **totals,
+            "grad_norm": grad_norm,
+            "lr": self.schedulers[i].get_last_lr()[0],
+            "completion_length": num_tokens / M,
+            "advantage_abs": float(advantages.abs().mean()),
+        }
+
+    # ------------------------------------------------------------------ evaluation and saving
+    @torch.no_grad()
+    def evaluate(self) -> dict[str, float]:
+        """Mean reward and success rate on the eval dataset (greedy unless ``eval_do_sample``)."""
+        args = self.args
+        if self.eval_dataset is None:
+            raise ConfigError("evaluate() needs eval_dataset= when the trainer is built")
+        count = (
+            len(self.eval_dataset)
+            if args.eval_num_samples is None
+            else min(args.eval_num_samples, len(self.eval_dataset))
+        )
+        params = self._sampling(do_sample=args.eval_do_sample)
+        rewards, successes, components = [], [], {}
+        for start in range(0, count, args.prompts_per_step):
+            items = [self.eval_dataset[j] for j in range(start, min(start + args.prompts_per_step, count))]
+            rollout = collect(
+                self.env,
+                self.team.agents,
+                items,
+                engine=self.engine,
+                num_generations=args.num_generations_eval,
+                params=params,
+            )
+            rewards.append(rollout.rewards.mean(dim=-1).flatten())
+            if rollout.success is not None:
+                successes.append(rollout.success.flatten())
+            for name, values in rollout.components.items():
+                components.setdefault(name, []).append(values.flatten())
+        metrics = {"eval/reward": float(torch.cat(rewards).mean())}
+        if successes:
+            metrics["eval/success"] = float(torch.cat(successes).mean())
+        metrics.update({f"eval/reward/{k}": float(torch.cat(v).nanmean()) for k, v in components.items()})
+        return metrics
+
+    def save_model(self, output_dir: str | Path) -> None:
+        """Write ``output_dir/agent_{i}/`` per agent, each loadable with ``from_pretrained``."""
+        for i, agent in enumerate(self.team):
+            path = Path(output_dir) / f"agent_{i}"
+            agent.model.save_pretrained(path)
+            agent.tokenizer.save_pretrained(path)
+
+    # ------------------------------------------------------------------ helpers
+    def _batches(self):  # noqa: ANN202
+        """Items of each step: a seeded permutation per epoch, ``prompts_per_step`` at a time (drop last)."""
+        args, size = self.args, len(self.train_dataset)
+        per_epoch = args.steps_per_epoch(size)
+        produced, epoch = 0, 0
+        while produced < self.total_steps:
+            order = torch.arange(size)
+            if args.shuffle:
+                order = torch.randperm(size, generator=torch.Generator().manual_seed(args.seed + epoch))
+            for s in range(per_epoch):
+                if produced == self.total_steps:
+                    return
+                ids = order[s * args.prompts_per_step : (s + 1) * args.prompts_per_step].tolist()
+                yield [self.train_dataset[j] for j in ids]
+                produced += 1
+            epoch += 1
+
+    def _sampling(self, do_sample: bool = True) -> SamplingParams:
+        a = self.args
+        return SamplingParams(a.max_new_tokens, a.min_new_tokens, a.temperature, a.top_p, a.top_k, do_sample)
+
+    def _greedy_returns(self, items: Sequence[Any]) -> list[torch.Tensor]:
+        """ReMax baseline: each agent's reward for the team's greedy joint action on each item, [N][B]."""
+        rollout = collect(
+            self.env,
+            self.team.agents,
+            items,
+            engine=self.engine,
+            num_generations=1,
+            params=self._sampling(do_sample=False),
+            pool=self.pool,
+        )
+        return [rollout.rewards[:, 0, i] for i in range(self.num_agents)]
+
+    @torch.no_grad()
+    def _logprobs(
+        self, agent: Agent, gen: Generation, batches: list[slice], model: Any = None
+    ) -> torch.Tensor:
+        parts = []
+        for sl in batches:
+            with self._autocast(agent.device):
+                parts.append(
+                    agent.completion_logprobs(
+                        gen.prompt_ids[sl],
+                        gen.prompt_mask[sl],
+                        gen.completion_ids[sl],
+                        gen.completion_mask[sl],
+                        self.args.temperature,
+                        model=model,
+                    )
+                )
+        return torch.cat(parts)
+
+    def _autocast(self, device: torch.device):  # noqa: ANN202
+        if self.args.bf16 and device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return nullcontext()
+
+    def _optimizer(self, agent: Agent) -> torch.optim.Optimizer:
+        a = self.args
+        lr = agent.learning_rate if agent.learning_rate is not None else a.learning_rate
+        return torch.optim.AdamW(
+            [p for p in agent.model.parameters() if p.requires_grad],
+            lr=lr,
+            betas=(a.adam_beta1, a.adam_beta2),
+            eps=a.adam_epsilon,
+            weight_decay=a.weight_decay,
+        )
+
+    def _samples(
+        self, items: Sequence[Any], rollout: Rollout, advantages: list[torch.Tensor]
+    ) -> list[dict[str, Any]]:
+        G, samples = self.args.num_generations, []
+        for b in range(min(len(items), self.args.log_completions)):
+            k = 0
+            joint = rollout.joint_index[b, k]
+            rows = [b * G + int(joint[i]) for i in range(self.num_agents)]
+            samples.append(
+                {
+                    "prompts": [str(rollout.generations[i].prompts[r]) for i, r in enumerate(rows)],
+                    "completions": [rollout.generations[i].completions[r] for i, r in enumerate(rows)],
+                    "rewards": rollout.rewards[b, k].tolist(),
+                    "advantages": [float(advantages[i][r]) for i, r in enumerate(rows)],
+                }
+            )
+        return samples
+
+    def _write_config(self, run_dir: Path) -> None:
+        import yaml
+
+        config = {
+            "trainer": type(self).__name__,
+            "agents": [
+                {"source": a.source, "role": a.role, "learning_rate": a.learning_rate} for a in self.team
+            ],
+            "args": self.args.to_dict(),
+        }
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
+
+
+class MAREINFORCETrainer(MAGRPOTrainer):
+    """MAREINFORCE: REINFORCE on the raw joint return (MAREINFORCEConfig: baseline none, scale none)."""
+
+    config_class = MAREINFORCEConfig
+
+
+class MARLOOTrainer(MAGRPOTrainer):
+    """MARLOO: leave-one-out baseline (MARLOOConfig)."""
+
+    config_class = MARLOOConfig
+
+
+class MAReMaxTrainer(MAGRPOTrainer):
+    """MAReMax: the greedy joint action's reward as the baseline (MAReMaxConfig)."""
+
+    config_class = MAReMaxConfig
+
+
+# ---------------------------------------------------------------------------- module helpers
+
+
+def rollout_metrics(rollout: Rollout) -> dict[str, float]:
+    """Team-level metrics of a rollout: reward (mean over agents and joint actions), success, components."""
+    team_reward = rollout.rewards.mean(dim=-1)  # [B, K]
+    metrics = {
+        "reward": float(team_reward.mean()),
+        "reward_std": float(team_reward.std()) if team_reward.numel() > 1 else 0.0,
+    }
+    if rollout.success is not None:
+        metrics["success"] = float(rollout.success.mean())
+    for name, values in rollout.components.items():
+        metrics[f"reward/{name}"] = float(values.nanmean())
+    if rollout.rewards.shape[-1] > 1:
+        for i in range(rollout.rewards.shape[-1]):
+            metrics[f"agent_{i}/reward"] = float(rollout.rewards[..., i].mean())
+    return metrics
+
+
+def lr_lambda(args: MAGRPOConfig, total: int) -> Callable[[int], float]:
+    """Multiplier of the learning rate at optimizer step ``s``: linear warmup, then constant/linear/cosine to 0."""
+    warmup = args.warmup_steps or int(args.warmup_ratio * total)
+
+    def factor(s: int) -> float:
+        if s < warmup:
+            return (s + 1) / (warmup + 1)
+        if args.lr_scheduler_type == "constant":
+            return 1.0
+        progress = min(1.0, (s - warmup) / max(1, total - warmup))
+        if args.lr_scheduler_type == "linear":
+            return 1.0 - progress
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+
+    return factor
+
+
+def set_seed(seed: int) -> None:
+    random.seed(seed)
+    torch.manual_seed(seed)
+    try:
+        import numpy as np
+
+        np.random.seed(seed)
+    except ImportError:  # numpy is optional for comarl itself
+        pass
+
+
+def _team_sources(model: Any, agent_model: Any, agents: Any, team: Any, num_agents: int | None) -> list[Any]:
+    given = [
+        name
+        for name, v in (("model", model), ("agent_model", agent_model), ("agents", agents), ("team", team))
+        if v is not None
+    ]
+    if len(given) > 1 and not (set(given) == {"model", "agent_model"} and model is agent_model):
+        raise ConfigError(
+            f"give the team one way, not {' and '.join(given)}: model= with num_agents=, agents=[...] or team="
+        )
+    if not given:
+        raise ConfigError("no team: give model= (with num_agents=), agents=[...] or team=Team([...])")
+    if team is not None or agents is not None:
+        members = list(team.agents if team is not None else agents)
+        if num_agents is not None and num_agents != len(members):
+            raise ConfigError(f"num_agents={num_agents} but {len(members)} agents were given")
+        return members
+    base = model if model is not None else agent_model
+    n = 2 if num_agents is None else num_agents
+    if n < 1:
+        raise ConfigError(f"num_agents={n}: must be >= 1")
+    if not isinstance(base, (str, Path)) and n > 1:
+        # One object cannot be n distinct agents: each agent gets its own deep copy.
+        return [base] + [copy.deepcopy(base) for _ in range(n - 1)]
+    return [base] * n
+
+
+def _load_agent(
+    source: Any, tokenizer: Any, i: int, device: str, model_config: dict[str, Any] | None
+) -> Agent:
+    if isinstance(source, Agent):
+        source.model.to(device)
+        return source
+    tok = tokenizer[i] if isinstance(tokenizer, (list, tuple)) else tokenizer
+    if (
+        tok is not None
+        and not isinstance(tok, (str, Path))
+        and i > 0
+        and not isinstance(tokenizer, (list, tuple))
+    ):
+        tok = copy.deepcopy(tok)  # agents set padding on their tokenizer; keep them independent
+    kwargs = dict((model_config or {}).get("model_kwargs", {}))
+    for key in ("attn_implementation", "torch_dtype", "dtype"):
+        if model_config and key in model_config:
+            kwargs[key] = model_config[key]
+    return Agent.from_pretrained(source, tok, device=device, model_kwargs=kwargs)
+
+
+def _agent_devices(spec: Any, n: int) -> list[str]:
+    if spec is None or spec == "auto":
+        gpus = torch.cuda.device_count()
+        return [f"cuda:{i % gpus}" for i in range(n)] if gpus else ["cpu"] * n
+    if isinstance(spec, str):
+        return [spec] * n
+    spec = list(spec)
+    if len(spec) == 1:
+        return spec * n
+    if len(spec) != n:
+        raise ConfigError(
+            f"agent_devices has {len(spec)} entries for {n} agents: give one per agent or one for all"
+        )
+    return spec
+
+
+def _frozen_copy(model: Any) -> Any:
+    ref = copy.deepcopy(model)
+    ref.eval()
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref

@@ -1,0 +1,318 @@
+"""Trainer configs, CoMLRL aliases, validation messages and YAML run specs."""
+
+import subprocess
+import sys
+
+import pytest
+
+from comarl.config import (
+    ConfigError,
+    MAGRPOConfig,
+    MAREINFORCEConfig,
+    MAReMaxConfig,
+    MARLOOConfig,
+    RunSpec,
+    config_help,
+    load_run_spec,
+)
+
+# ----------------------------------------------------------------------------- defaults
+
+
+def test_defaults_construct():
+    cfg = MAGRPOConfig()
+    assert (cfg.prompts_per_step, cfg.num_generations, cfg.learning_rate) == (4, 4, 5e-6)
+    assert (cfg.baseline, cfg.scale, cfg.joint_mode, cfg.beta) == ("group_mean", "group", "aligned", 0.0)
+    assert cfg.to_dict()["num_generations"] == 4
+    assert "per_device_train_batch_size" not in cfg.to_dict()  # an alias, not a field
+
+
+@pytest.mark.parametrize(
+    ("cls", "baseline", "scale"),
+    [
+        (MAGRPOConfig, "group_mean", "group"),
+        (MAREINFORCEConfig, "none", "none"),
+        (MARLOOConfig, "leave_one_out", "none"),
+        (MAReMaxConfig, "greedy", "none"),
+    ],
+)
+def test_family_defaults(cls, baseline, scale):
+    cfg = cls()
+    assert (cfg.baseline, cfg.scale) == (baseline, scale)
+    assert isinstance(cfg, MAGRPOConfig)
+
+
+def test_family_defaults_differ_pairwise():
+    settings = {
+        (c().baseline, c().scale) for c in (MAGRPOConfig, MAREINFORCEConfig, MARLOOConfig, MAReMaxConfig)
+    }
+    assert len(settings) == 4
+
+
+def test_config_help_has_a_line_per_field():
+    helps = config_help(MAGRPOConfig)
+    assert "prompts_per_step" in helps
+    assert "group size" in helps["num_generations"]
+    assert all(helps[name] for name in ("learning_rate", "baseline", "scale", "joint_mode"))
+
+
+# ----------------------------------------------------------------------------- CoMLRL aliases
+
+
+def test_batch_size_aliases():
+    assert MAGRPOConfig(per_device_train_batch_size=3).prompts_per_step == 3
+    assert MAGRPOConfig(rollout_buffer_size=2).prompts_per_step == 2
+
+
+def test_learning_rate_alias():
+    assert MAGRPOConfig(agent_learning_rate=1e-4).learning_rate == 1e-4
+
+
+@pytest.mark.parametrize(
+    ("mode", "baseline"),
+    [("mean", "group_mean"), ("raw", "none"), ("max", "group_max"), ("rloo", "leave_one_out")],
+)
+def test_advantage_mode_alias(mode, baseline):
+    assert MAGRPOConfig(advantage_mode=mode).baseline == baseline
+
+
+def test_advantage_mode_unknown():
+    with pytest.raises(ConfigError, match=r"advantage_mode='median'"):
+        MAGRPOConfig(advantage_mode="median")
+
+
+def test_advantage_normalization_alias():
+    assert MAGRPOConfig(advantage_normalization=False).scale == "none"
+    assert MAREINFORCEConfig(advantage_normalization=True).scale == "group"
+
+
+def test_reference_kl_aliases():
+    assert MAGRPOConfig(reference_kl_enabled=True, reference_kl_coef=0.05).beta == 0.05
+    assert MAGRPOConfig(reference_kl_enabled=False, reference_kl_coef=0.05).beta == 0.0
+    assert MAGRPOConfig(reference_kl_enabled=True).beta == 0.1  # CoMLRL's default coefficient
+
+
+@pytest.mark.parametrize(
+    ("given", "mode"),
+    [("align", "aligned"), ("aligned", "aligned"), ("crossed", "cross"), ("cross", "cross")],
+)
+def test_joint_mode_aliases(given, mode):
+    assert MAGRPOConfig(joint_mode=given).joint_mode == mode
+
+
+def test_parallel_training_alias():
+    MAGRPOConfig(parallel_training="mp")
+    with pytest.raises(ConfigError, match=r"parallel_training='ddp'"):
+        MAGRPOConfig(parallel_training="ddp")
+
+
+# ----------------------------------------------------------------------------- validation errors
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"num_generations": 0}, r"num_generations=0: must be an integer >= 1"),
+        ({"temperature": 0}, r"temperature=0: must be a finite number > 0"),
+        ({"learning_rate": -1.0}, r"learning_rate=-1.0: must be a finite number > 0"),
+        ({"top_p": 1.5}, r"top_p=1.5: must be in \(0, 1\]"),
+        ({"joint_mode": "diagonal"}, r"joint_mode='diagonal': choose one of \['aligned', 'cross'\]"),
+        ({"baseline": "foo"}, r"baseline='foo': choose one of"),
+        ({"scale": "tokens"}, r"scale='tokens': choose one of"),
+        ({"loss_aggregation": "sum"}, r"loss_aggregation='sum': choose one of"),
+        ({"discount": 1.5}, r"discount=1.5: must be in \[0, 1\]"),
+        ({"beta": -0.1}, r"beta=-0.1: must be >= 0"),
+        ({"min_new_tokens": 10, "max_new_tokens": 5}, r"min_new_tokens=10 > max_new_tokens=5"),
+        ({"max_joint_actions": 8}, r"max_joint_actions only applies to joint_mode='cross'"),
+        (
+            {"joint_mode": "cross", "max_joint_actions": 3},
+            r"max_joint_actions=3: must be >= num_generations=4",
+        ),
+        (
+            {"num_generations": 1},
+            r"num_generations=1: baseline='group_mean' with scale='group'.*needs num_generations >= 2",
+        ),
+    ],
+)
+def test_validation_errors_name_the_field(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        MAGRPOConfig(**kwargs)
+
+
+def test_micro_batch_size_must_divide_completions():
+    with pytest.raises(
+        ConfigError, match=r"micro_batch_size=5: .*prompts_per_step x num_generations = 4 x 4 = 16"
+    ):
+        MAGRPOConfig(micro_batch_size=5, prompts_per_step=4, num_generations=4)
+    assert MAGRPOConfig(micro_batch_size=8, prompts_per_step=4, num_generations=4).micro_batch_size == 8
+
+
+def test_single_generation_allowed_without_group_statistics():
+    cfg = MAGRPOConfig(num_generations=1, baseline="none", scale="batch")
+    assert cfg.num_generations == 1
+    assert MAREINFORCEConfig(num_generations=1).num_generations == 1
+
+
+def test_unknown_field_is_a_type_error():
+    with pytest.raises(TypeError, match="nonsense"):
+        MAGRPOConfig(nonsense=1)
+
+
+def test_config_error_is_a_value_error():
+    assert issubclass(ConfigError, ValueError)
+
+
+# ----------------------------------------------------------------------------- check_team
+
+
+def test_check_team_num_agents_mismatch():
+    with pytest.raises(ConfigError, match=r"num_agents=3 in the config, but the trainer was given 2 agents"):
+        MAGRPOConfig(num_agents=3).check_team(2, 100)
+    MAGRPOConfig(num_agents=2).check_team(2, 100)
+
+
+def test_check_team_dataset_too_small():
+    with pytest.raises(ConfigError, match=r"prompts_per_step=4 but the training dataset has 3 items"):
+        MAGRPOConfig(prompts_per_step=4).check_team(2, 3)
+    MAGRPOConfig(prompts_per_step=4).check_team(2, 4)
+    MAGRPOConfig(prompts_per_step=4).check_team(2, None)  # unknown length: nothing to check
+
+
+def test_check_team_cross_mode_too_many_joint_actions():
+    # 4 ** 7 = 16384 > 4096
+    with pytest.raises(
+        ConfigError, match=r"num_generations \*\* num_agents = 4 \*\* 7 = 16384 joint actions"
+    ):
+        MAGRPOConfig(joint_mode="cross").check_team(7, None)
+    MAGRPOConfig(joint_mode="cross").check_team(6, None)  # 4 ** 6 = 4096 is still fine
+    MAGRPOConfig(joint_mode="cross", max_joint_actions=16).check_team(7, None)
+
+
+def test_check_team_multi_turn_not_available():
+    cfg = MAGRPOConfig(num_turns=2)
+    with pytest.raises(ConfigError, match=r"num_turns=2: multi-turn rollouts are not available"):
+        cfg.check_team(2, 100)
+
+
+# ----------------------------------------------------------------------------- step arithmetic
+
+
+def test_total_steps_and_steps_per_epoch():
+    cfg = MAGRPOConfig(prompts_per_step=4, num_train_epochs=3)
+    assert cfg.steps_per_epoch(10) == 2  # 10 // 4
+    assert cfg.total_steps(10) == 6  # 2 steps x 3 epochs
+    assert (
+        MAGRPOConfig(prompts_per_step=4, num_train_epochs=3, max_steps=5).total_steps(10) == 5
+    )  # max_steps wins
+
+
+# ----------------------------------------------------------------------------- run specs
+
+
+SPEC = """\
+trainer: marloo
+num_agents: 2
+args:
+  num_generations: 2
+  prompts_per_step: 2
+"""
+
+
+@pytest.fixture
+def spec_path(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(SPEC)
+    return path
+
+
+def test_load_run_spec_reads_yaml(spec_path):
+    spec = load_run_spec(spec_path)
+    assert isinstance(spec, RunSpec)
+    assert (spec.trainer, spec.num_agents, spec.args) == (
+        "marloo",
+        2,
+        {"num_generations": 2, "prompts_per_step": 2},
+    )
+    args = spec.trainer_args()
+    assert isinstance(args, MARLOOConfig)
+    assert (args.num_generations, args.baseline) == (2, "leave_one_out")
+
+
+@pytest.mark.parametrize("override", ["args.learning_rate=0.001", "learning_rate=0.001"])
+def test_overrides_reach_args(spec_path, override):
+    spec = load_run_spec(spec_path, [override])
+    assert spec.args == {"num_generations": 2, "prompts_per_step": 2, "learning_rate": 0.001}
+    assert spec.trainer_args().learning_rate == 0.001
+
+
+def test_override_scientific_notation_is_a_number(spec_path):
+    # parse_value promises that `1e-3` means what it looks like: the float 0.001, not the string '1e-3'
+    spec = load_run_spec(spec_path, ["learning_rate=1e-3"])
+    assert spec.args["learning_rate"] == 0.001
+    assert spec.trainer_args().learning_rate == 0.001
+
+
+def test_override_run_fields_and_alias(spec_path):
+    spec = load_run_spec(spec_path, ["num_agents=3", "args.advantage_mode=raw"])
+    assert spec.num_agents == 3
+    assert spec.trainer_args().baseline == "none"
+
+
+def test_override_unknown_key(spec_path):
+    with pytest.raises(ConfigError, match=r"--set nonsense: unknown key"):
+        load_run_spec(spec_path, ["nonsense=1"])
+    with pytest.raises(ConfigError, match=r"--set args.nonsense: unknown trainer field 'nonsense'"):
+        load_run_spec(spec_path, ["args.nonsense=1"])
+    with pytest.raises(ConfigError, match=r"--set 'learning_rate': expected key=value"):
+        load_run_spec(spec_path, ["learning_rate"])
+
+
+def test_override_bad_value_names_the_field(spec_path):
+    with pytest.raises(ConfigError, match=r"num_generations=0: must be an integer >= 1"):
+        load_run_spec(spec_path, ["num_generations=0"])
+
+
+def test_unknown_top_level_key(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(SPEC + "lerning_rate: 0.1\n")
+    with pytest.raises(ConfigError, match=r"unknown run field 'lerning_rate'"):
+        load_run_spec(path)
+
+
+def test_unknown_field_inside_args(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(SPEC + "  nonsense: 1\n")
+    with pytest.raises(ConfigError, match="nonsense"):
+        load_run_spec(path)
+
+
+def test_run_spec_without_file_uses_defaults():
+    spec = load_run_spec(None, ["trainer=maremax"])
+    assert (spec.trainer, spec.task, spec.args) == ("maremax", "demo", {})
+    assert spec.trainer_args().baseline == "greedy"
+
+
+def test_run_spec_validation():
+    with pytest.raises(ConfigError, match=r"trainer='ppo'"):
+        RunSpec(trainer="ppo")
+    with pytest.raises(ConfigError, match=r"task='function' needs dataset"):
+        RunSpec(task="function")
+
+
+# ----------------------------------------------------------------------------- imports stay light
+
+
+def test_config_does_not_import_torch():
+    code = "import comarl.config, sys; assert 'torch' not in sys.modules, 'torch imported'"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr
+
+
+def test_package_import_is_light():
+    code = (
+        "import comarl, sys; "
+        "heavy = [m for m in ('torch', 'transformers', 'peft', 'vllm', 'wandb') if m in sys.modules]; "
+        "assert not heavy, heavy"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
+    assert result.returncode == 0, result.stderr

@@ -1,0 +1,345 @@
+"""The MAGRPO-family trainer end to end on tiny local models: masking, updates, teams, compatibility, errors."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from comarl import (
+    Agent,
+    ConfigError,
+    MAGRPOConfig,
+    MAGRPOTrainer,
+    MAREINFORCEConfig,
+    MAREINFORCETrainer,
+    MAReMaxConfig,
+    MAReMaxTrainer,
+    MARLOOConfig,
+    MARLOOTrainer,
+    RewardFunctionError,
+)
+from comarl.engines import HFEngine, SamplingParams
+
+DATA = [{"prompt": p} for p in ("def add(a, b):", "the agents meet at", "alice and bob", "return a + b")]
+
+
+def length_reward(a, b):
+    """Shared reward that varies between samples, so every advantage is non-zero."""
+    return [len(x) / 10 - len(y) / 20 for x, y in zip(a, b)]
+
+
+def small_args(**kw) -> MAGRPOConfig:
+    base = dict(
+        prompts_per_step=2,
+        num_generations=3,
+        max_new_tokens=6,
+        learning_rate=1e-3,
+        max_steps=1,
+        progress_bar=False,
+        reward_call="batched",
+    )
+    base.update(kw)
+    return MAGRPOConfig(**base)
+
+
+# ---------------------------------------------------------------------------- log-probs and masking
+
+
+def test_batched_logprobs_match_unpadded_per_sequence(qwen_bpe):
+    """Left padding + position ids: each sequence's batched log-probs equal its own unpadded forward."""
+    agent = Agent.from_pretrained(qwen_bpe)
+    gen = HFEngine().generate(agent, ["a", "def add(a, b): return"], 2, SamplingParams(max_new_tokens=5))
+    batched = agent.completion_logprobs(
+        gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask
+    )
+    for r in range(gen.prompt_ids.shape[0]):
+        prompt = gen.prompt_ids[r][gen.prompt_mask[r].bool()]
+        n = int(gen.completion_mask[r].sum())
+        completion = gen.completion_ids[r, :n]
+        ids = torch.cat([prompt, completion]).unsqueeze(0)
+        logits = agent.model(input_ids=ids).logits[0, len(prompt) - 1 : -1]
+        expected = torch.log_softmax(logits, -1).gather(-1, completion.unsqueeze(-1)).squeeze(-1)
+        torch.testing.assert_close(batched[r, :n], expected, atol=1e-5, rtol=1e-4)
+
+
+def test_eos_is_scored_and_padding_is_not(qwen_bpe):
+    """The loss depends on the EOS token but not on anything after it."""
+    agent = Agent.from_pretrained(qwen_bpe)
+    eos = agent.eos_token_ids[0]
+    prompt_ids, prompt_mask = agent.encode(["alice and bob"])
+    completion = torch.tensor([[17, 23, eos, 5, 9]])
+    mask = torch.tensor([[1, 1, 1, 0, 0]])
+    from comarl.algorithms import completion_mask
+
+    assert completion_mask(completion, [eos]).tolist() == mask.tolist()
+    base = agent.completion_logprobs(prompt_ids, prompt_mask, completion, mask)
+    other_pad = agent.completion_logprobs(prompt_ids, prompt_mask, torch.tensor([[17, 23, eos, 99, 3]]), mask)
+    assert torch.equal(base[:, :3], other_pad[:, :3])  # tokens after EOS do not reach the scored positions
+    other_eos_logp = agent.completion_logprobs(
+        prompt_ids, prompt_mask, torch.tensor([[17, 23, 42, 5, 9]]), mask
+    )
+    assert not torch.equal(base[:, 2], other_eos_logp[:, 2])  # the EOS position itself is scored
+
+
+def test_eos_inside_the_prompt_does_not_cut_the_completion(qwen_bpe):
+    """pad == eos and a prompt containing EOS (as chat templates do): the completion starts after the prompt."""
+    agent = Agent.from_pretrained(qwen_bpe)
+    assert agent.tokenizer.pad_token == agent.tokenizer.eos_token  # set because the tokenizer had none
+    prompt = f"system{agent.tokenizer.eos_token}user: def add(a, b):"
+    torch.manual_seed(0)
+    gen = HFEngine().generate(agent, [prompt, "x"], 2, SamplingParams(max_new_tokens=4, min_new_tokens=4))
+    prompt_ids, _ = agent.encode([prompt])
+    assert (prompt_ids == agent.eos_token_ids[0]).any()  # the EOS really is in the prompt
+    assert gen.completion_ids.shape[1] == 4
+    assert gen.completion_mask.sum(dim=1).tolist() == [4, 4, 4, 4]  # min_new_tokens: no EOS in the completion
+    assert all(len(c) > 0 for c in gen.completions)
+
+
+# ---------------------------------------------------------------------------- one training step
+
+
+def _snapshot(model):
+    return {n: p.detach().clone() for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_heterogeneous_team_every_parameter_changes(qwen_bpe, llama_word):
+    """Two architectures, two tokenizers, one run: every trainable tensor of both agents moves in one step."""
+    trainer = MAGRPOTrainer(
+        agents=[qwen_bpe, llama_word], train_dataset=DATA, reward_func=length_reward, args=small_args()
+    )
+    assert [type(a.model).__name__ for a in trainer.team] == ["Qwen2ForCausalLM", "LlamaForCausalLM"]
+    assert len(trainer.team[0].tokenizer) != len(trainer.team[1].tokenizer)
+    before = [_snapshot(a.model) for a in trainer.team]
+    metrics = trainer.train()
+    for i, agent in enumerate(trainer.team):
+        unchanged = [
+            n for n, p in agent.model.named_parameters() if p.requires_grad and torch.equal(p, before[i][n])
+        ]
+        assert unchanged == [], f"agent {i}: parameters not updated: {unchanged}"
+    for key in ("reward", "agent_0/loss", "agent_1/loss", "agent_0/grad_norm", "agent_1/completion_length"):
+        assert key in metrics
+
+
+@pytest.mark.parametrize(
+    ("trainer_cls", "config_cls"),
+    [
+        (MAGRPOTrainer, MAGRPOConfig),
+        (MAREINFORCETrainer, MAREINFORCEConfig),
+        (MARLOOTrainer, MARLOOConfig),
+        (MAReMaxTrainer, MAReMaxConfig),
+    ],
+)
+def test_each_family_trainer_runs_a_step(qwen_bpe, trainer_cls, config_cls):
+    args = config_cls(
+        prompts_per_step=2, num_generations=2, max_new_tokens=4, max_steps=1, progress_bar=False
+    )
+    trainer = trainer_cls(
+        model=qwen_bpe, num_agents=2, train_dataset=DATA, reward_func=length_reward, args=args
+    )
+    metrics = trainer.train()
+    assert trainer.step == 1 and "agent_1/loss" in metrics
+
+
+def test_num_agents_1_is_grpo(qwen_bpe):
+    trainer = MAGRPOTrainer(
+        model=qwen_bpe,
+        num_agents=1,
+        train_dataset=DATA,
+        reward_func=lambda c: [len(x) for x in c],
+        args=small_args(max_steps=2),
+    )
+    before = _snapshot(trainer.team[0].model)
+    metrics = trainer.train()
+    assert len(trainer.team) == 1 and "agent_0/loss" in metrics and "agent_1/loss" not in metrics
+    assert any(not torch.equal(p, before[n]) for n, p in trainer.team[0].model.named_parameters())
+
+
+def test_ppo_iterations_and_kl_are_reported(qwen_bpe):
+    """num_iterations > 1 reuses the batch under the clipped ratio; beta > 0 adds a KL to the frozen start."""
+    trainer = MAGRPOTrainer(
+        model=qwen_bpe,
+        num_agents=1,
+        train_dataset=DATA,
+        reward_func=lambda c: [len(x) for x in c],
+        args=small_args(max_steps=2, num_iterations=3, beta=0.1, learning_rate=1e-2),
+    )
+    metrics = trainer.train()
+    assert metrics["agent_0/kl"] > 0  # the policy moved away from the reference during step 1
+    assert 0 <= metrics["agent_0/clip_fraction"] <= 1
+    assert trainer.schedulers[0].last_epoch == 2 * 3  # one optimizer step per iteration
+
+
+def test_cross_mode_credits_the_mean_over_joint_actions(qwen_bpe):
+    trainer = MAGRPOTrainer(
+        model=qwen_bpe,
+        num_agents=2,
+        train_dataset=DATA,
+        reward_func=length_reward,
+        args=small_args(joint_mode="cross"),
+    )
+    from comarl.rollout import collect
+
+    rollout = collect(
+        trainer.env,
+        trainer.team.agents,
+        DATA[:2],
+        engine=trainer.engine,
+        num_generations=3,
+        params=trainer._sampling(),
+        joint_mode="cross",
+    )
+    assert rollout.joint_index.shape == (2, 9, 2)
+    for i in range(2):
+        for j in range(3):
+            hits = rollout.joint_index[0, :, i] == j
+            assert torch.isclose(rollout.returns[i][0, j], rollout.rewards[0, hits, i].mean())
+
+
+def test_evaluate_and_save_model(qwen_bpe, tmp_path):
+    trainer = MAGRPOTrainer(
+        model=qwen_bpe,
+        num_agents=2,
+        train_dataset=DATA,
+        eval_dataset=DATA[:3],
+        reward_func=length_reward,
+        args=small_args(success_threshold=0.0, output_dir=str(tmp_path / "run")),
+    )
+    first, second = trainer.evaluate(), trainer.evaluate()
+    assert first == second  # greedy by default: deterministic
+    assert set(first) >= {"eval/reward", "eval/success", "eval/reward/length_reward"}
+    trainer.train()
+    run = tmp_path / "run"
+    for name in ("config.yaml", "metrics.jsonl", "samples.jsonl"):
+        assert (run / name).exists(), name
+    sample = json.loads((run / "samples.jsonl").read_text().splitlines()[0])
+    assert set(sample) >= {"step", "prompts", "completions", "rewards", "advantages"}
+    for i in range(2):
+        model = AutoModelForCausalLM.from_pretrained(run / "agents" / f"agent_{i}")
+        AutoTokenizer.from_pretrained(run / "agents" / f"agent_{i}")
+        trained = trainer.team[i].model.state_dict()
+        assert all(torch.equal(v, trained[k]) for k, v in model.state_dict().items())
+
+
+def test_seeded_runs_are_reproducible(qwen_bpe):
+    def run():
+        t = MAGRPOTrainer(
+            model=qwen_bpe,
+            num_agents=2,
+            train_dataset=DATA,
+            reward_func=length_reward,
+            args=small_args(max_steps=2, seed=7),
+        )
+        t.train()
+        return [p.detach().clone() for p in t.team[1].model.parameters()]
+
+    assert all(torch.equal(a, b) for a, b in zip(run(), run()))
+
+
+def test_lr_schedule_warmup_then_cosine(qwen_bpe):
+    trainer = MAGRPOTrainer(
+        model=qwen_bpe,
+        num_agents=1,
+        train_dataset=DATA,
+        reward_func=lambda c: [len(x) for x in c],
+        args=small_args(max_steps=4, warmup_steps=1, lr_scheduler_type="cosine", learning_rate=1e-3),
+    )
+    lrs = []
+    for items in trainer._batches():
+        trainer.step += 1
+        metrics, _ = trainer.training_step(items)
+        lrs.append(metrics["agent_0/lr"])
+    # factor(s): warmup s=0 -> 1/2; then cosine over 3 steps: s=1 -> 1, s=2 -> 0.75, s=3 -> 0.25; lr printed after step.
+    assert lrs == pytest.approx([1e-3 * 1.0, 1e-3 * 0.75, 1e-3 * 0.25, 0.0], abs=1e-12)
+
+
+# ---------------------------------------------------------------------------- compatibility and errors
+
+
+def test_comlrl_readme_call(qwen_bpe):
+    """The CoMLRL README example, with only the import changed (and a local model path for the hub id)."""
+    tokenizer = AutoTokenizer.from_pretrained(qwen_bpe)
+    dataset = [{"prompt": "def add(a, b):"}, {"prompt": "alice and bob"}]
+    trainer = MAGRPOTrainer(
+        model=qwen_bpe,
+        num_agents=2,
+        tokenizer=tokenizer,
+        train_dataset=dataset,
+        reward_func=lambda a, b: [abs(max(len(b[0]), 1) / max(len(a[0]), 1) - 3.0)],
+        formatters=[lambda example: example["prompt"]] * 2,
+        args=MAGRPOConfig(per_device_train_batch_size=1, max_new_tokens=8, progress_bar=False),
+    )
+    trainer.train()
+    assert trainer.step == 2  # one epoch, one prompt per step
+
+
+def test_comlrl_agent_model_and_config_names(qwen_bpe):
+    args = MAGRPOConfig(
+        num_train_epochs=1,
+        agent_learning_rate=1e-4,
+        num_generations=2,
+        max_new_tokens=4,
+        rollout_buffer_size=2,
+        advantage_mode="rloo",
+        joint_mode="crossed",
+        progress_bar=False,
+    )
+    trainer = MAGRPOTrainer(
+        agent_model=qwen_bpe, num_agents=2, train_dataset=DATA, reward_func=length_reward, args=args
+    )
+    assert trainer.optimizers[0].param_groups[0]["lr"] == 1e-4
+    assert (args.baseline, args.joint_mode, args.prompts_per_step) == ("leave_one_out", "cross", 2)
+    trainer.train()
+
+
+def test_config_is_checked_before_any_model_loads():
+    with pytest.raises(ConfigError, match="prompts_per_step=8 but the training dataset has 4 items"):
+        MAGRPOTrainer(
+            model="/nonexistent/model",
+            num_agents=2,
+            train_dataset=DATA,
+            reward_func=length_reward,
+            args=MAGRPOConfig(prompts_per_step=8),
+        )
+    with pytest.raises(ConfigError, match=r"num_generations \*\* num_agents = 8 \*\* 5 = 32768"):
+        MAGRPOTrainer(
+            model="/nonexistent/model",
+            num_agents=5,
+            train_dataset=DATA,
+            reward_func=length_reward,
+            args=MAGRPOConfig(num_generations=8, joint_mode="cross", prompts_per_step=1),
+        )
+    with pytest.raises(RewardFunctionError, match="takes 1 positional"):
+        MAGRPOTrainer(
+            model="/nonexistent/model", num_agents=2, train_dataset=DATA, reward_func=lambda a: [1.0]
+        )
+
+
+def test_team_errors(qwen_bpe):
+    with pytest.raises(ConfigError, match="not model and agents"):
+        MAGRPOTrainer(model=qwen_bpe, agents=[qwen_bpe], train_dataset=DATA, reward_func=length_reward)
+    with pytest.raises(ConfigError, match="num_agents=3 but 2 agents"):
+        MAGRPOTrainer(
+            agents=[qwen_bpe, qwen_bpe], num_agents=3, train_dataset=DATA, reward_func=length_reward
+        )
+    with pytest.raises(ConfigError, match="needs args=MAREINFORCEConfig"):
+        MAREINFORCETrainer(model=qwen_bpe, train_dataset=DATA, reward_func=length_reward, args=MAGRPOConfig())
+
+
+def test_reward_error_stops_the_run_naming_function_and_item(qwen_bpe):
+    def picky(a, b, prompt):
+        return [float("nan") if p == "alice and bob" else 1.0 for p in prompt]
+
+    trainer = MAGRPOTrainer(
+        model=qwen_bpe,
+        num_agents=2,
+        train_dataset=DATA,
+        reward_func=picky,
+        args=small_args(prompts_per_step=4, reward_call="per_joint_action"),
+    )
+    with pytest.raises(
+        RewardFunctionError, match=r"'picky' returned nan on item \{'prompt': 'alice and bob'\}"
+    ):
+        trainer.train()
