@@ -343,3 +343,19 @@ def test_reward_error_stops_the_run_naming_function_and_item(qwen_bpe):
         RewardFunctionError, match=r"'picky' returned nan on item \{'prompt': 'alice and bob'\}"
     ):
         trainer.train()
+
+
+def test_evaluate_overrides_dataset_samples_and_sampling(qwen_bpe):
+    trainer = MAGRPOTrainer(
+        model=qwen_bpe,
+        num_agents=2,
+        train_dataset=DATA,
+        reward_func=length_reward,
+        args=small_args(max_new_tokens=3),
+    )
+    with pytest.raises(ConfigError, match="evaluate\\(\\) needs a dataset"):
+        trainer.evaluate()
+    calls = []
+    trainer.env.rewards[0].func = lambda a, b: calls.append(len(a)) or [0.0] * len(a)
+    trainer.evaluate(DATA[:2], num_generations=3, do_sample=True)
+    assert calls == [6]  # one batched call: 2 items x 3 aligned joint actions

@@ -59,7 +59,8 @@ def _demo(args: argparse.Namespace) -> int:
         args.out, max_steps=args.steps or DEMO_STEPS, seed=args.seed, progress_bar=not args.no_progress
     )
     print(
-        f"joint success (greedy): {summary['success_before']:.0%} before training -> {summary['success_after']:.0%} after"
+        f"joint success: {summary['success_before']:.1%} before training (sampled) -> "
+        f"{summary['success_after']:.1%} after (greedy)"
     )
     print("conventions the team settled on (open places -> alice's and bob's answers):")
     for places, answers in summary["conventions"].items():

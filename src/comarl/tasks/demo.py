@@ -7,7 +7,7 @@ a city, and each agent sees them in its own order::
     bob sees:    "bob is in paris . the cafe and the park are open . where will you meet alice ?"
 
 Each agent answers with a word. The team scores 1.0 when both name the *same open* place;
-there is a small shared bonus of 0.1 for each agent that names an open place at all, so that
+there is a smaller shared bonus of 0.25 for each agent that names an open place at all, so that
 random models find the answer vocabulary. Matching is only possible together, and each pair of
 open places has two equally good answers: the agents must read their observation and settle on
 a convention (say, "the museum whenever it is open") that neither can impose alone. Random
@@ -25,7 +25,8 @@ from typing import Any
 CITIES = ("paris", "tokyo", "cairo", "lima", "oslo", "delhi")
 PLACES = ("cafe", "park", "museum", "station")
 NAMES = ("alice", "bob")
-VALID_BONUS = 0.1
+VALID_BONUS = 0.25
+DEMO_STEPS = 300
 
 
 def first_word(text: str) -> str:
@@ -40,7 +41,7 @@ def first_word(text: str) -> str:
 def meeting_reward(
     alice: Sequence[str], bob: Sequence[str], open_places: Sequence[Sequence[str]], **_: Any
 ) -> list[float]:
-    """Shared reward per joint action: 1.0 for the same open place, else 0.1 per agent naming an open place."""
+    """Shared reward per joint action: 1.0 for the same open place, else 0.25 per agent naming an open place."""
     rewards = []
     for a, b, places in zip(alice, bob, open_places):
         wa, wb = first_word(a), first_word(b)
@@ -98,10 +99,10 @@ def demo_config(
     return MAGRPOConfig(
         max_steps=max_steps,
         prompts_per_step=6,
-        num_generations=6,
+        num_generations=12,
         joint_mode="cross",
         max_new_tokens=3,
-        learning_rate=3e-3,
+        learning_rate=1e-3,
         lr_scheduler_type="constant",
         reward_call="batched",
         success_threshold=1.0,
@@ -109,16 +110,23 @@ def demo_config(
         output_dir=None if output_dir is None else str(output_dir),
         progress_bar=progress_bar,
         log_completions=3,
+        eval_interval=25,
     )
 
 
 def run_demo(
-    out: str | Path | None = None, max_steps: int = 120, seed: int = 0, progress_bar: bool = True
+    out: str | Path | None = None, max_steps: int = DEMO_STEPS, seed: int = 0, progress_bar: bool = True
 ) -> dict[str, Any]:
     """Build the tiny team, measure it, train it, measure again; write everything into a run folder."""
-    from comarl.tracking import plot_metrics
+    import torch
+    from transformers.utils import logging as hf_logging
+
+    from comarl.engines import SamplingParams
     from comarl.trainers.magrpo import MAGRPOTrainer
 
+    # Models this small are faster on one thread: synchronising threads costs more than the work.
+    torch.set_num_threads(1)
+    hf_logging.disable_progress_bar()
     run_dir = Path(out) if out is not None else Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
     paths = build_team(run_dir / "base_models", seed=seed)
@@ -130,28 +138,21 @@ def run_demo(
         formatters=[formatter(0), formatter(1)],
         args=demo_config(run_dir, max_steps, seed, progress_bar),
     )
-    trainer.args.eval_do_sample = True
-    trainer.args.num_generations_eval = 8
-    before = trainer.evaluate()
-    trainer.args.eval_do_sample = False
-    trainer.args.num_generations_eval = 1
+    before = trainer.evaluate(do_sample=True, num_generations=8)  # the untrained team's chance level
     trainer.train()
-    after = trainer.evaluate()
-    plot_metrics(run_dir / "metrics.jsonl", run_dir / "plot.png")
-    summary = {
+    after = trainer.evaluate()  # greedy: the conventions the team actually uses
+    conventions, greedy = {}, SamplingParams(max_new_tokens=3, do_sample=False)
+    for item in dataset(CITIES[:1]):
+        answers = [
+            trainer.engine.generate(agent, [formatter(i)(item)], 1, greedy).completions[0]
+            for i, agent in enumerate(trainer.team)
+        ]
+        conventions[" / ".join(item["open_places"])] = [first_word(a) for a in answers]
+    return {
         "run_dir": str(run_dir),
         "success_before": before["eval/success"],
         "success_after": after["eval/success"],
         "reward_before": before["eval/reward"],
         "reward_after": after["eval/reward"],
+        "conventions": conventions,
     }
-    conventions = {}
-    for item in dataset(CITIES[:1]):
-        prompts = [formatter(i)(item) for i in range(2)]
-        answers = [
-            trainer.engine.generate(agent, [prompts[i]], 1, trainer._sampling(do_sample=False)).completions[0]
-            for i, agent in enumerate(trainer.team)
-        ]
-        conventions[" / ".join(item["open_places"])] = [first_word(a) for a in answers]
-    summary["conventions"] = conventions
-    return summary

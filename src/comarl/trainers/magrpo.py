@@ -269,27 +269,28 @@ class MAGRPOTrainer:
 
     # ------------------------------------------------------------------ evaluation and saving
     @torch.no_grad()
-    def evaluate(self) -> dict[str, float]:
-        """Mean reward and success rate on the eval dataset (greedy unless ``eval_do_sample``)."""
+    def evaluate(
+        self, dataset: Any = None, *, num_generations: int | None = None, do_sample: bool | None = None
+    ) -> dict[str, float]:
+        """Mean reward, success rate and reward components on ``dataset`` (default: the eval dataset).
+
+        Greedy unless ``do_sample`` (default ``eval_do_sample``); ``num_generations`` completions per
+        agent per item (default ``num_generations_eval``), joined aligned.
+        """
         args = self.args
-        if self.eval_dataset is None:
-            raise ConfigError("evaluate() needs eval_dataset= when the trainer is built")
-        count = (
-            len(self.eval_dataset)
-            if args.eval_num_samples is None
-            else min(args.eval_num_samples, len(self.eval_dataset))
-        )
-        params = self._sampling(do_sample=args.eval_do_sample)
+        dataset = self.eval_dataset if dataset is None else dataset
+        if dataset is None:
+            raise ConfigError(
+                "evaluate() needs a dataset: pass eval_dataset= to the trainer or evaluate(dataset)"
+            )
+        count = len(dataset) if args.eval_num_samples is None else min(args.eval_num_samples, len(dataset))
+        params = self._sampling(do_sample=args.eval_do_sample if do_sample is None else do_sample)
+        G = args.num_generations_eval if num_generations is None else num_generations
         rewards, successes, components = [], [], {}
         for start in range(0, count, args.prompts_per_step):
-            items = [self.eval_dataset[j] for j in range(start, min(start + args.prompts_per_step, count))]
+            items = [dataset[j] for j in range(start, min(start + args.prompts_per_step, count))]
             rollout = collect(
-                self.env,
-                self.team.agents,
-                items,
-                engine=self.engine,
-                num_generations=args.num_generations_eval,
-                params=params,
+                self.env, self.team.agents, items, engine=self.engine, num_generations=G, params=params
             )
             rewards.append(rollout.rewards.mean(dim=-1).flatten())
             if rollout.success is not None:

@@ -1,0 +1,99 @@
+"""The offline demo learns, the CLI runs it from YAML, and bad CLI input is a one-line error."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from comarl.cli import main
+from comarl.tasks import demo
+
+
+def test_meeting_reward_by_hand():
+    alice = ["park .", "cafe", "museum now", ""]
+    bob = ["park", "station", "museum", "park"]
+    open_places = [["park", "cafe"], ["cafe", "park"], ["park", "cafe"], ["park", "cafe"]]
+    # same open place -> 1; cafe open, station not -> 0.25; museum not open for either -> 0; bob only -> 0.25
+    assert demo.meeting_reward(alice, bob, open_places) == [1.0, 0.25, 0.0, 0.25]
+
+
+def test_views_differ_and_name_the_open_places():
+    item = {"city": "paris", "open_places": ["park", "cafe"]}
+    assert (
+        demo.formatter(0)(item)
+        == "alice is in paris . the park and the cafe are open . where will you meet bob ?"
+    )
+    assert (
+        demo.formatter(1)(item)
+        == "bob is in paris . the cafe and the park are open . where will you meet alice ?"
+    )
+
+
+@pytest.mark.slow
+def test_demo_team_learns_to_coordinate(tmp_path):
+    """Seeded: from chance (~1% joint success) to >= 90% greedy joint success in 200 steps."""
+    summary = demo.run_demo(tmp_path / "run", max_steps=200, seed=0, progress_bar=False)
+    assert summary["success_before"] <= 0.05
+    assert summary["success_after"] >= 0.9
+    run = tmp_path / "run"
+    for name in (
+        "config.yaml",
+        "metrics.jsonl",
+        "samples.jsonl",
+        "plot.png",
+        "agents/agent_0/config.json",
+        "agents/agent_1/model.safetensors",
+    ):
+        assert (run / name).exists(), name
+    rows = [json.loads(line) for line in (run / "metrics.jsonl").read_text().splitlines()]
+    train = [r for r in rows if "success" in r]
+    first, last = train[:20], train[-20:]
+    assert sum(r["success"] for r in first) / 20 < 0.1
+    assert sum(r["success"] for r in last) / 20 > 0.8
+
+
+def test_cli_train_from_yaml_with_overrides(tmp_path, capsys):
+    spec = tmp_path / "run.yaml"
+    spec.write_text(
+        "trainer: magrpo\ntask: demo\nargs:\n  max_steps: 2\n  progress_bar: false\n  prompts_per_step: 2\n"
+        "  num_generations: 2\n  reward_call: batched\n  success_threshold: 1.0\n"
+    )
+    out = tmp_path / "out"
+    assert main(["train", str(spec), "--set", f"output_dir={out}", "--set", "args.learning_rate=1e-4"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert "reward" in printed and "eval/success" in printed
+    assert "learning_rate: 0.0001" in (out / "config.yaml").read_text()
+    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+
+
+def test_cli_train_function_task(tmp_path, qwen_bpe, capsys):
+    (tmp_path / "data.jsonl").write_text('{"prompt": "def add(a, b):"}\n{"prompt": "alice and bob"}\n')
+    (tmp_path / "rewards.py").write_text(
+        "def longer(a, b):\n    return [len(x) - len(y) for x, y in zip(a, b)]\n"
+    )
+    spec = tmp_path / "run.yaml"
+    spec.write_text(
+        f"task: function\nmodel: {qwen_bpe}\nnum_agents: 2\ndataset: {tmp_path / 'data.jsonl'}\n"
+        f"reward_funcs: ['{tmp_path / 'rewards.py'}:longer']\n"
+        "args: {max_steps: 1, prompts_per_step: 2, num_generations: 2, max_new_tokens: 4, progress_bar: false}\n"
+    )
+    assert main(["train", str(spec)]) == 0
+    assert "reward/longer" in json.loads(capsys.readouterr().out)
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--set", "nonsense=1"], "--set nonsense: unknown key"),
+        (["--set", "args.nonsense=1"], "unknown trainer field 'nonsense'"),
+        (["--set", "num_generations=0"], "num_generations=0: must be an integer >= 1"),
+        (["--set", "trainer=ppo"], "trainer='ppo'"),
+    ],
+)
+def test_cli_errors_are_one_line(tmp_path, capsys, argv, message):
+    spec = tmp_path / "run.yaml"
+    spec.write_text("task: demo\n")
+    assert main(["train", str(spec), *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("comarl: error: ") and message in err
