@@ -359,3 +359,21 @@ def test_evaluate_overrides_dataset_samples_and_sampling(qwen_bpe):
     trainer.env.rewards[0].func = lambda a, b: calls.append(len(a)) or [0.0] * len(a)
     trainer.evaluate(DATA[:2], num_generations=3, do_sample=True)
     assert calls == [6]  # one batched call: 2 items x 3 aligned joint actions
+
+
+def test_agents_generate_concurrently_when_given_a_pool():
+    """Agents on separate devices overlap their generate calls (here: a fake engine that waits for its partner)."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from comarl.rollout import generate_all
+
+    barrier = threading.Barrier(2, timeout=5)
+
+    class WaitingEngine:
+        def generate(self, agent, prompts, num_generations, params):
+            barrier.wait()  # only returns if both agents are generating at the same time
+            return agent
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        assert generate_all(WaitingEngine(), ["a0", "a1"], [["p"], ["p"]], 1, SamplingParams(), pool) == ["a0", "a1"]
