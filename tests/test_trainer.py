@@ -376,4 +376,7 @@ def test_agents_generate_concurrently_when_given_a_pool():
             return agent
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        assert generate_all(WaitingEngine(), ["a0", "a1"], [["p"], ["p"]], 1, SamplingParams(), pool) == ["a0", "a1"]
+        assert generate_all(WaitingEngine(), ["a0", "a1"], [["p"], ["p"]], 1, SamplingParams(), pool) == [
+            "a0",
+            "a1",
+        ]
