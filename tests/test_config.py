@@ -188,10 +188,21 @@ def test_check_team_cross_mode_too_many_joint_actions():
     MAGRPOConfig(joint_mode="cross", max_joint_actions=16).check_team(7, None)
 
 
-def test_check_team_multi_turn_not_available():
-    cfg = MAGRPOConfig(num_turns=2)
-    with pytest.raises(ConfigError, match=r"num_turns=2: multi-turn rollouts are not available"):
+def test_check_team_tree_budget():
+    # aligned, G=4, T=3: 1 + 4 + 16 = 21 nodes per item
+    assert MAGRPOConfig(num_turns=3).tree_nodes(2) == 21
+    # cross, G=4, N=2 -> K=16 children per node, T=3: 1 + 16 + 256 = 273 > max_nodes=256
+    cfg = MAGRPOConfig(num_turns=3, joint_mode="cross")
+    with pytest.raises(
+        ConfigError, match=r"has 1 \+ 16 \+ 256 = 273 nodes .* > max_nodes=256: set max_children"
+    ):
         cfg.check_team(2, 100)
+    # a budget of 3 children per node: 1 + 3 + 9 = 13
+    cfg = MAGRPOConfig(num_turns=3, joint_mode="cross", max_children=3)
+    cfg.check_team(2, 100)
+    assert cfg.tree_nodes(2) == 13
+    with pytest.raises(ConfigError, match="baseline='greedy' .* single-turn only"):
+        MAReMaxConfig(num_turns=2).check_team(2, 100)
 
 
 # ----------------------------------------------------------------------------- step arithmetic

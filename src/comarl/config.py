@@ -105,9 +105,35 @@ class MAGRPOConfig:
         default=None,
     )
     num_turns: int = _help(
-        "Turns per episode (multi-turn rollouts need an environment with transitions).", default=1
+        "Turn limit per episode; > 1 builds a rollout tree (needs an environment with transitions).",
+        default=1,
     )
-    discount: float = _help("Discount gamma between turns (used, unlike CoMLRL's).", default=1.0)
+    discount: float = _help(
+        "Discount gamma between turns: R = r + gamma * V(child) (used, unlike CoMLRL's).", default=1.0
+    )
+    max_children: int | None = _help(
+        "Multi-turn budget: joint actions per node that get a child next turn (a seeded sample of those not done); "
+        "None = all.",
+        default=None,
+    )
+    max_nodes: int = _help(
+        "Multi-turn budget: most nodes one item's rollout tree may have; checked before training.",
+        default=256,
+    )
+    tree_backup: str = _help(
+        "Value of a node for its parent's return: 'mean' (expected value under the sampling policy) or 'max' "
+        "(best continuation).",
+        default="mean",
+    )
+    early_termination_threshold: float | None = _help(
+        "Stop expanding a node whose mean team reward exceeds this (CoMLRL's field; None = off, the default; "
+        "episodes end when the environment says done).",
+        default=None,
+    )
+    external_prompt_passthrough: bool = _help(
+        "CoMLRL external_transition: use its prompts as they are instead of passing them through the formatters.",
+        default=False,
+    )
     reward_call: str = _help(
         "How a reward function is called: 'per_joint_action' (CoMLRL: once per joint action with one-element "
         "lists) or 'batched' (once per step with every joint action of every item; faster).",
@@ -298,6 +324,12 @@ class MAGRPOConfig:
                 )
         if self.num_agents is not None and self.num_agents < 1:
             raise ConfigError(f"num_agents={self.num_agents}: must be >= 1")
+        if self.tree_backup not in ("mean", "max"):
+            raise ConfigError(f"tree_backup={self.tree_backup!r}: choose 'mean' or 'max'")
+        if self.max_children is not None and self.max_children < 1:
+            raise ConfigError(f"max_children={self.max_children}: must be >= 1 (or None for all)")
+        if self.max_nodes < 1:
+            raise ConfigError(f"max_nodes={self.max_nodes}: must be >= 1")
 
     def check_team(self, num_agents: int, dataset_size: int | None) -> None:
         """Checks that need the team size and dataset length; called before any model loads."""
@@ -317,10 +349,34 @@ class MAGRPOConfig:
                     f"joint_mode='cross' evaluates num_generations ** num_agents = {self.num_generations} ** {num_agents} "
                     f"= {joint} joint actions per item: set max_joint_actions to sample a subset"
                 )
-        if self.num_turns > 1:
+        nodes = self.tree_nodes(num_agents)
+        if nodes > self.max_nodes:
+            per_turn = " + ".join(str(self.children_per_node(num_agents) ** t) for t in range(self.num_turns))
             raise ConfigError(
-                f"num_turns={self.num_turns}: multi-turn rollouts are not available yet in this version; use num_turns=1"
+                f"the rollout tree of one item has {per_turn} = {nodes} nodes (num_turns={self.num_turns}, "
+                f"{self.children_per_node(num_agents)} children per node) > max_nodes={self.max_nodes}: "
+                "set max_children, lower num_turns / num_generations, or raise max_nodes"
             )
+        if self.num_turns > 1 and self.baseline == "greedy":
+            raise ConfigError(
+                "baseline='greedy' (MAReMax) is single-turn only; use num_turns=1 or another baseline"
+            )
+
+    def joint_actions_per_node(self, num_agents: int) -> int:
+        """K: joint actions evaluated at every node."""
+        if self.joint_mode == "aligned" or num_agents == 1:
+            return self.num_generations
+        total = self.num_generations**num_agents
+        return total if self.max_joint_actions is None else min(total, self.max_joint_actions)
+
+    def children_per_node(self, num_agents: int) -> int:
+        K = self.joint_actions_per_node(num_agents)
+        return K if self.max_children is None else min(K, self.max_children)
+
+    def tree_nodes(self, num_agents: int) -> int:
+        """Most nodes of one item's rollout tree: sum over turns t of children_per_node ** t."""
+        C = self.children_per_node(num_agents)
+        return sum(C**t for t in range(self.num_turns))
 
     def steps_per_epoch(self, dataset_size: int) -> int:
         return dataset_size // self.prompts_per_step

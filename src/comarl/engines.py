@@ -89,3 +89,30 @@ class HFEngine:
         texts = tok.batch_decode([row[:n] for row, n in zip(rows, lengths)], skip_special_tokens=True)
         repeated = [p for p in prompts for _ in range(num_generations)]
         return Generation(prompt_ids, prompt_mask, completion_ids, mask, repeated, texts)
+
+
+def concat_generations(generations: Sequence[Generation], pad_token_id: int) -> Generation:
+    """Stack generations of one agent (e.g. the turns of a rollout tree) into one batch.
+
+    Prompts are re-padded on the left and completions on the right to the widest of each.
+    """
+    if len(generations) == 1:
+        return generations[0]
+    P = max(g.prompt_ids.shape[1] for g in generations)
+    T = max(g.completion_ids.shape[1] for g in generations)
+
+    def pad(t: torch.Tensor, width: int, value: int, left: bool) -> torch.Tensor:
+        extra = width - t.shape[1]
+        if extra == 0:
+            return t
+        block = torch.full((t.shape[0], extra), value, dtype=t.dtype, device=t.device)
+        return torch.cat([block, t] if left else [t, block], dim=1)
+
+    return Generation(
+        prompt_ids=torch.cat([pad(g.prompt_ids, P, pad_token_id, True) for g in generations]),
+        prompt_mask=torch.cat([pad(g.prompt_mask, P, 0, True) for g in generations]),
+        completion_ids=torch.cat([pad(g.completion_ids, T, pad_token_id, False) for g in generations]),
+        completion_mask=torch.cat([pad(g.completion_mask, T, 0, False) for g in generations]),
+        prompts=[p for g in generations for p in g.prompts],
+        completions=[c for g in generations for c in g.completions],
+    )

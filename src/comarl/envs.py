@@ -11,7 +11,8 @@ An environment plays one dataset item per episode::
 The rollout takes many joint actions from the same state (the G samples of every agent, or
 their combinations). It asks for all of them at once through ``step_many`` so an environment
 can score a whole batch in one call; the default implementation copies the episode per joint
-action and calls ``step``.
+action and calls ``step``. Each result carries the branch's environment after the step
+(``result.episode``), from which a multi-turn rollout continues that branch.
 """
 
 from __future__ import annotations
@@ -35,6 +36,25 @@ class StepResult:
     observations: list[str] | None = None
     info: dict[str, Any] = field(default_factory=dict)
     components: dict[str, float] = field(default_factory=dict)
+    episode: Env | None = field(default=None, repr=False, compare=False)
+
+
+@dataclass
+class History:
+    """What each agent saw and said so far on one branch: ``prompts[i][t]``, ``responses[i][t]``."""
+
+    prompts: list[list[str]]
+    responses: list[list[str]]
+
+    @classmethod
+    def empty(cls, num_agents: int) -> History:
+        return cls([[] for _ in range(num_agents)], [[] for _ in range(num_agents)])
+
+    def extended(self, prompts: Sequence[str], responses: Sequence[str]) -> History:
+        return History(
+            [h + [p] for h, p in zip(self.prompts, prompts)],
+            [h + [r] for h, r in zip(self.responses, responses)],
+        )
 
 
 class Env:
@@ -208,12 +228,19 @@ def reward_functions(
     return wrapped
 
 
+Transition = Callable[[Item, list[str], History], "Sequence[Any] | None"]
+
+
 class FunctionEnv(Env):
-    """A one-turn environment from plain functions: prompts from formatters, rewards from reward functions.
+    """An environment from plain functions: prompts from formatters, rewards from reward functions.
 
     ``reward_call="batched"`` calls each reward function once per ``step_many`` with every joint
     action of every episode; ``"per_joint_action"`` calls it once per joint action with
     one-element lists (the CoMLRL convention). Both give the same rewards.
+
+    Multi-turn: ``transition(item, completions, history)`` returns the next prompt of every agent,
+    or ``None`` when the task is done; ``history`` holds every agent's prompts and responses on
+    this branch, the current turn included. It is not called after turn ``num_turns``.
     """
 
     def __init__(
@@ -225,6 +252,8 @@ class FunctionEnv(Env):
         reward_call: str = "per_joint_action",
         reward_processor: Callable[[float], float] | None = None,
         success_threshold: float | None = None,
+        transition: Transition | None = None,
+        num_turns: int = 1,
     ) -> None:
         if reward_call not in ("per_joint_action", "batched"):
             raise ValueError(f"reward_call={reward_call!r}: choose 'per_joint_action' or 'batched'")
@@ -234,12 +263,16 @@ class FunctionEnv(Env):
         self.reward_call = reward_call
         self.reward_processor = reward_processor
         self.success_threshold = success_threshold
+        self.transition = transition
+        self.num_turns = num_turns
         self.item: Item = {}
         self.prompts: list[Any] = []
+        self.history = History.empty(num_agents)
 
     def reset(self, item: Item) -> list[Any]:
         self.item = item
         self.prompts = [f(item) for f in self.formatters]
+        self.history = History.empty(self.num_agents)
         return list(self.prompts)
 
     def step(self, joint_action: Sequence[str]) -> StepResult:
@@ -261,9 +294,9 @@ class FunctionEnv(Env):
             for fn in self.rewards:
                 scores[fn.name].extend(fn(completions, prompts, items))
         results, k = [], 0
-        for actions in joint_actions:
+        for ep, actions in zip(episodes, joint_actions):
             row = []
-            for _ in actions:
+            for action in actions:
                 components = {name: sum(values[k]) / self.num_agents for name, values in scores.items()}
                 rewards = [
                     sum(fn.weight * self._process(scores[fn.name][k][i]) for fn in self.rewards)
@@ -272,10 +305,36 @@ class FunctionEnv(Env):
                 info = {}
                 if self.success_threshold is not None:
                     info["success"] = sum(rewards) / len(rewards) >= self.success_threshold
-                row.append(StepResult(rewards=rewards, done=True, info=info, components=components))
+                result = StepResult(rewards=rewards, done=True, info=info, components=components)
+                self._advance(ep, action, result)  # type: ignore[arg-type]
+                row.append(result)
                 k += 1
             results.append(row)
         return results
+
+    def _advance(self, episode: FunctionEnv, action: Sequence[str], result: StepResult) -> None:
+        """The branch after ``action``: its history grows; the transition gives the next prompts or ends it."""
+        branch = copy.copy(episode)
+        branch.history = episode.history.extended([_prompt_text(p) for p in episode.prompts], list(action))
+        result.episode = branch
+        if self.transition is None or len(branch.history.responses[0]) >= self.num_turns:
+            return
+        name = getattr(self.transition, "__name__", "transition")
+        try:
+            prompts = self.transition(episode.item, list(action), branch.history)
+        except Exception as exc:
+            raise RuntimeError(
+                f"transition {name!r} raised on item {_short(episode.item)}: {type(exc).__name__}: {exc}"
+            ) from exc
+        if prompts is None:
+            return
+        if isinstance(prompts, str) or not isinstance(prompts, Sequence) or len(prompts) != self.num_agents:
+            raise ValueError(
+                f"transition {name!r} returned {_short(prompts)} on item {_short(episode.item)}: expected a list of "
+                f"{self.num_agents} prompts (one per agent) or None when the episode is done"
+            )
+        branch.prompts = list(prompts)
+        result.done, result.observations = False, list(prompts)
 
     def _process(self, value: float) -> float:
         if self.reward_processor is None:
@@ -284,6 +343,38 @@ class FunctionEnv(Env):
         if not math.isfinite(out):
             raise RewardFunctionError(f"reward_processor turned reward {value!r} into {out!r}")
         return out
+
+
+def comlrl_transition(
+    external_transition: Callable[..., Any],
+    num_agents: int,
+    formatters: Callable[[Item], Any] | Sequence[Callable[[Item], Any]] | None = None,
+    prompt_passthrough: bool = False,
+) -> Transition:
+    """Adapt a CoMLRL ``external_transition(prompt=, agent_completions=, num_agents=, prompt_history_per_agent=,
+    response_history_per_agent=)`` to a comarl transition.
+
+    As in CoMLRL, each returned prompt replaces ``item["prompt"]`` and goes through that agent's
+    formatter again, unless ``prompt_passthrough`` (CoMLRL: ``external_prompt_passthrough``).
+    """
+    fmts = _formatters(formatters, num_agents)
+
+    def transition(item: Item, completions: list[str], history: History) -> list[Any] | None:
+        prompts = external_transition(
+            prompt=item.get("prompt"),
+            agent_completions=completions,
+            num_agents=num_agents,
+            prompt_history_per_agent=history.prompts,
+            response_history_per_agent=history.responses,
+        )
+        if prompts is None or prompt_passthrough:
+            return prompts
+        if isinstance(prompts, str) or len(prompts) != num_agents:
+            return prompts  # FunctionEnv reports the wrong count with the function's name
+        return [fmts[i]({**item, "prompt": p}) for i, p in enumerate(prompts)]
+
+    transition.__name__ = getattr(external_transition, "__name__", "external_transition")
+    return transition
 
 
 def _prompt_text(prompt: Any) -> str:

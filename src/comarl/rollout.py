@@ -12,17 +12,19 @@ import torch
 
 from comarl.agents import Agent
 from comarl.algorithms import cross_returns
-from comarl.engines import Generation, HFEngine, SamplingParams
+from comarl.engines import Generation, HFEngine, SamplingParams, concat_generations
 from comarl.envs import Env, StepResult
 
 
 @dataclass
 class Rollout:
-    """One step's experience for ``B`` items, ``N`` agents, ``G`` samples per agent, ``K`` joint actions per item.
+    """One step's experience: a tree of turns per item, ``N`` agents, ``G`` samples, ``K`` joint actions per node.
 
-    ``generations[i]`` holds agent i's ``B*G`` completions (item-major). ``joint_index[b, k, i]`` is
-    which of agent i's G completions joint action ``k`` of item ``b`` used; ``rewards[b, k, i]`` is
-    what agent i received for it; ``returns[i][b, j]`` is the return credited to completion ``j``.
+    Nodes are listed turn by turn (the ``B`` roots first, in item order). At node ``n`` every agent
+    sampled G completions; ``generations[i]`` holds agent i's completions of every node, node-major
+    (row ``n * G + j``). ``joint_index[n, k, i]`` is which completion of agent i joint action ``k``
+    used; ``rewards[n, k, i]`` the immediate reward agent i got for it; ``node_returns[n, k, i]``
+    its discounted return; ``returns[i][n, j]`` the return credited to completion ``j`` of node ``n``.
     """
 
     generations: list[Generation]
@@ -32,6 +34,20 @@ class Rollout:
     success: torch.Tensor | None
     components: dict[str, torch.Tensor] = field(default_factory=dict)
     results: list[list[StepResult]] = field(default_factory=list)
+    node_returns: torch.Tensor | None = None
+    depth: torch.Tensor | None = None
+    node_item: torch.Tensor | None = None
+    parent: list[tuple[int, int] | None] = field(default_factory=list)
+    terminal: torch.Tensor | None = None  # [num_nodes, K]: the joint action has no child
+
+
+@dataclass
+class _Node:
+    item: int
+    depth: int
+    episode: Env
+    observations: list[Any]
+    parent: tuple[int, int] | None  # (parent node, joint action index)
 
 
 def joint_action_indices(
@@ -100,47 +116,163 @@ def collect(
     params: SamplingParams,
     joint_mode: str = "aligned",
     max_joint_actions: int | None = None,
+    num_turns: int = 1,
+    max_children: int | None = None,
+    discount: float = 1.0,
+    backup: str = "mean",
+    early_termination_threshold: float | None = None,
     generator: torch.Generator | None = None,
     pool: Any = None,
     on_generated: Callable[[], None] | None = None,
 ) -> Rollout:
-    """Play one turn on every item: reset, generate for each agent, form joint actions, step, credit returns."""
-    N, G, B = len(agents), num_generations, len(items)
-    episodes = [copy.copy(env) for _ in items]
-    observations = [ep.reset(item) for ep, item in zip(episodes, items)]
-    for b, obs in enumerate(observations):
-        if len(obs) != N:
-            raise ValueError(
-                f"{type(env).__name__}.reset returned {len(obs)} observations for {N} agents (item {b})"
-            )
-    generations = generate_all(
-        engine, agents, [[obs[i] for obs in observations] for i in range(N)], G, params, pool
-    )
-    if on_generated is not None:
-        on_generated()
+    """Play every item as a tree of turns and credit each completion with its return.
 
-    joint_index = torch.stack(
-        [joint_action_indices(G, N, joint_mode, max_joint_actions, generator) for _ in range(B)]
-    )  # [B, K, N]
-    actions = [
-        [[generations[i].completions[b * G + int(joint[i])] for i in range(N)] for joint in joint_index[b]]
-        for b in range(B)
-    ]
-    results = env.step_many(episodes, actions)
-    rewards = torch.tensor([[r.rewards for r in row] for row in results], dtype=torch.float32)  # [B, K, N]
+    Turn by turn, every node of every item (siblings included) is generated in one batched call
+    per agent. Each node's joint actions go to the environment in one ``step_many``; a joint
+    action whose episode is not done gets a child node for the next turn, unless the turn limit
+    is reached, the node's mean team reward exceeds ``early_termination_threshold`` (off by
+    default), or the branch is not among the ``max_children`` sampled for expansion.
+    """
+    N, G = len(agents), num_generations
+    roots = []
+    for b, item in enumerate(items):
+        episode = copy.copy(env)
+        observations = episode.reset(item)
+        if len(observations) != N:
+            raise ValueError(
+                f"{type(env).__name__}.reset returned {len(observations)} observations for {N} agents (item {b})"
+            )
+        roots.append(_Node(b, 0, episode, list(observations), None))
+
+    nodes: list[_Node] = []
+    level_generations: list[list[Generation]] = []
+    joint_rows: list[torch.Tensor] = []
+    results: list[list[StepResult]] = []
+    children: dict[int, dict[int, int]] = {}
+    level = roots
+    for depth in range(num_turns):
+        if not level:
+            break
+        gens = generate_all(
+            engine, agents, [[n.observations[i] for n in level] for i in range(N)], G, params, pool
+        )
+        if on_generated is not None and depth == 0:
+            on_generated()
+        level_generations.append(gens)
+        offset = len(nodes)
+        nodes.extend(level)
+        joints = [joint_action_indices(G, N, joint_mode, max_joint_actions, generator) for _ in level]
+        joint_rows.extend(joints)
+        actions = [
+            [[gens[i].completions[j * G + int(joint[i])] for i in range(N)] for joint in joints[j]]
+            for j in range(len(level))
+        ]
+        level_results = env.step_many([n.episode for n in level], actions)
+        results.extend(level_results)
+        next_level: list[_Node] = []
+        for j, node in enumerate(level):
+            row = level_results[j]
+            if depth + 1 == num_turns:
+                continue
+            if early_termination_threshold is not None:
+                team = sum(sum(r.rewards) / N for r in row) / len(row)
+                if team > early_termination_threshold:
+                    continue
+            open_actions = [k for k, r in enumerate(row) if not r.done]
+            if max_children is not None and len(open_actions) > max_children:
+                pick = torch.randperm(len(open_actions), generator=generator)[:max_children].tolist()
+                open_actions = sorted(open_actions[p] for p in pick)
+            for k in open_actions:
+                result = row[k]
+                if result.episode is None or result.observations is None or len(result.observations) != N:
+                    raise ValueError(
+                        f"{type(env).__name__}.step_many: a result that is not done needs .episode (the branch's "
+                        f"environment) and {N} next observations"
+                    )
+                children.setdefault(offset + j, {})[k] = len(nodes) + len(next_level)
+                next_level.append(
+                    _Node(node.item, depth + 1, result.episode, list(result.observations), (offset + j, k))
+                )
+        level = next_level
+
+    rewards = torch.tensor(
+        [[r.rewards for r in row] for row in results], dtype=torch.float32
+    )  # [num_nodes, K, N]
     if rewards.shape[-1] != N:
         raise ValueError(f"{type(env).__name__}.step returned {rewards.shape[-1]} rewards for {N} agents")
+    joint_index = torch.stack(joint_rows)
+    done = torch.tensor([[r.done for r in row] for row in results])
+    node_returns = tree_returns(rewards, done, children, discount, backup)
+    returns = [
+        torch.stack(
+            [cross_returns(node_returns[n, :, i], joint_index[n, :, i], G) for n in range(len(nodes))]
+        )
+        for i in range(N)
+    ]
+    terminal = torch.ones_like(done)
+    for n, kids in children.items():
+        for k in kids:
+            terminal[n, k] = False
     flags = [[r.info.get("success") for r in row] for row in results]
-    success = None
-    if all(f is not None for row in flags for f in row):
-        success = torch.tensor(flags, dtype=torch.float32)
-    names = {name for row in results for r in row for name in r.components}
+    success = (
+        torch.tensor(flags, dtype=torch.float32) if all(f is not None for row in flags for f in row) else None
+    )
+    names = sorted({name for row in results for r in row for name in r.components})
     components = {
         name: torch.tensor([[r.components.get(name, float("nan")) for r in row] for row in results])
-        for name in sorted(names)
+        for name in names
     }
-    returns = [
-        torch.stack([cross_returns(rewards[b, :, i], joint_index[b, :, i], G) for b in range(B)])
+    generations = [
+        concat_generations([gens[i] for gens in level_generations], agents[i].tokenizer.pad_token_id)
         for i in range(N)
-    ]  # each [B, G]
-    return Rollout(generations, joint_index, rewards, returns, success, components, results)
+    ]
+    return Rollout(
+        generations,
+        joint_index,
+        rewards,
+        returns,
+        success,
+        components,
+        results,
+        node_returns,
+        depth=torch.tensor([n.depth for n in nodes]),
+        node_item=torch.tensor([n.item for n in nodes]),
+        parent=[n.parent for n in nodes],
+        terminal=terminal,
+    )
+
+
+def tree_returns(
+    rewards: torch.Tensor,
+    done: torch.Tensor,
+    children: dict[int, dict[int, int]],
+    discount: float,
+    backup: str = "mean",
+) -> torch.Tensor:
+    """Discounted returns of every joint action of a rollout tree, ``[num_nodes, K, N]``.
+
+    Children have larger node indices than their parents. The value of a node is the ``mean``
+    (or ``max``, per agent) of its joint actions' returns, and
+
+        R[n, k] = r[n, k] + gamma * V(child of (n, k))
+
+    A joint action that is done, or at the last turn, keeps ``R = r``. One that could have gone on
+    but was not expanded (``max_children``) is bootstrapped with the mean value of its expanded
+    siblings, so a branch is not penalised for being left out of the budget.
+    """
+    if backup not in ("mean", "max"):
+        raise ValueError(f"tree_returns: backup={backup!r}; choose 'mean' or 'max'")
+    returns = rewards.clone()
+    values = torch.zeros(rewards.shape[0], rewards.shape[2])
+    for n in range(rewards.shape[0] - 1, -1, -1):
+        kids = children.get(n, {})
+        if kids:
+            child_values = {k: values[c] for k, c in kids.items()}
+            sibling_mean = torch.stack(list(child_values.values())).mean(dim=0)
+            for k in range(rewards.shape[1]):
+                if k in child_values:
+                    returns[n, k] += discount * child_values[k]
+                elif not done[n, k]:
+                    returns[n, k] += discount * sibling_mean
+        values[n] = returns[n].mean(dim=0) if backup == "mean" else returns[n].max(dim=0).values
+    return returns

@@ -30,7 +30,7 @@ from comarl.agents import Agent, Team
 from comarl.algorithms import aggregate_loss, clipped_surrogate, group_advantages, kl_k3
 from comarl.config import ConfigError, MAGRPOConfig, MAREINFORCEConfig, MAReMaxConfig, MARLOOConfig
 from comarl.engines import Generation, HFEngine, SamplingParams
-from comarl.envs import Env, FunctionEnv
+from comarl.envs import Env, FunctionEnv, comlrl_transition
 from comarl.rollout import Rollout, collect
 
 
@@ -62,6 +62,7 @@ class MAGRPOTrainer:
         env: Env | None = None,
         reward_processor: Callable[[float], float] | None = None,
         model_config: dict[str, Any] | None = None,
+        transition: Callable[..., Any] | None = None,
         external_transition: Callable[..., Any] | None = None,
         wandb_config: dict[str, Any] | None = None,
     ) -> None:
@@ -71,8 +72,6 @@ class MAGRPOTrainer:
                 f"{type(self).__name__} needs args={self.config_class.__name__}(...), got {type(args).__name__}"
             )
         self.args = args
-        if external_transition is not None:
-            raise ConfigError("external_transition: multi-turn rollouts are not available in this version")
         if wandb_config is not None:
             warnings.warn("wandb_config is ignored: metrics go to output_dir/metrics.jsonl", stacklevel=2)
 
@@ -89,6 +88,17 @@ class MAGRPOTrainer:
         if env is None:
             if reward_func is None:
                 raise ConfigError(f"{type(self).__name__}: give reward_func= (with formatters=) or env=")
+            if transition is not None and external_transition is not None:
+                raise ConfigError("give transition= or external_transition= (CoMLRL's), not both")
+            if external_transition is not None:
+                transition = comlrl_transition(
+                    external_transition, n, formatters, args.external_prompt_passthrough
+                )
+            if args.num_turns > 1 and transition is None:
+                raise ConfigError(
+                    f"num_turns={args.num_turns} needs transition= (or CoMLRL's external_transition=) to turn each "
+                    "joint answer into the next prompts, or an env= with transitions"
+                )
             env = FunctionEnv(
                 reward_func,
                 formatters,
@@ -97,9 +107,11 @@ class MAGRPOTrainer:
                 args.reward_call,
                 reward_processor,
                 args.success_threshold,
+                transition,
+                args.num_turns,
             )
-        elif reward_func is not None or formatters is not None:
-            raise ConfigError("give either env= or reward_func=/formatters=, not both")
+        elif any(x is not None for x in (reward_func, formatters, transition, external_transition)):
+            raise ConfigError("give either env= or reward_func=/formatters=/transition=, not both")
         if getattr(env, "num_agents", n) != n:
             raise ConfigError(f"env.num_agents={env.num_agents} but the team has {n} agents")
         self.env = env
@@ -185,6 +197,7 @@ class MAGRPOTrainer:
             params=self._sampling(),
             joint_mode=args.joint_mode,
             max_joint_actions=args.max_joint_actions,
+            **self._tree_settings(),
             generator=self.joint_generator,
             pool=self.pool,
             on_generated=lambda: timer.setdefault("generate", time.perf_counter() - t0),
@@ -286,22 +299,21 @@ class MAGRPOTrainer:
         count = len(dataset) if args.eval_num_samples is None else min(args.eval_num_samples, len(dataset))
         params = self._sampling(do_sample=args.eval_do_sample if do_sample is None else do_sample)
         G = args.num_generations_eval if num_generations is None else num_generations
-        rewards, successes, components = [], [], {}
+        parts: dict[str, list[torch.Tensor]] = {}
         for start in range(0, count, args.prompts_per_step):
             items = [dataset[j] for j in range(start, min(start + args.prompts_per_step, count))]
             rollout = collect(
-                self.env, self.team.agents, items, engine=self.engine, num_generations=G, params=params
+                self.env,
+                self.team.agents,
+                items,
+                engine=self.engine,
+                num_generations=G,
+                params=params,
+                **self._tree_settings(),
             )
-            rewards.append(rollout.rewards.mean(dim=-1).flatten())
-            if rollout.success is not None:
-                successes.append(rollout.success.flatten())
-            for name, values in rollout.components.items():
-                components.setdefault(name, []).append(values.flatten())
-        metrics = {"eval/reward": float(torch.cat(rewards).mean())}
-        if successes:
-            metrics["eval/success"] = float(torch.cat(successes).mean())
-        metrics.update({f"eval/reward/{k}": float(torch.cat(v).nanmean()) for k, v in components.items()})
-        return metrics
+            for key, values in rollout_values(rollout).items():
+                parts.setdefault(key, []).append(values)
+        return {f"eval/{k}": float(torch.cat(v).nanmean()) for k, v in parts.items() if torch.cat(v).numel()}
 
     def save_model(self, output_dir: str | Path) -> None:
         """Write ``output_dir/agent_{i}/`` per agent, each loadable with ``from_pretrained``."""
@@ -327,6 +339,16 @@ class MAGRPOTrainer:
                 yield [self.train_dataset[j] for j in ids]
                 produced += 1
             epoch += 1
+
+    def _tree_settings(self) -> dict[str, Any]:
+        a = self.args
+        return {
+            "num_turns": a.num_turns,
+            "max_children": a.max_children,
+            "discount": a.discount,
+            "backup": a.tree_backup,
+            "early_termination_threshold": a.early_termination_threshold,
+        }
 
     def _sampling(self, do_sample: bool = True) -> SamplingParams:
         a = self.args
@@ -432,20 +454,44 @@ class MAReMaxTrainer(MAGRPOTrainer):
 # ---------------------------------------------------------------------------- module helpers
 
 
-def rollout_metrics(rollout: Rollout) -> dict[str, float]:
-    """Team-level metrics of a rollout: reward (mean over agents and joint actions), success, components."""
-    team_reward = rollout.rewards.mean(dim=-1)  # [B, K]
-    metrics = {
-        "reward": float(team_reward.mean()),
-        "reward_std": float(team_reward.std()) if team_reward.numel() > 1 else 0.0,
-    }
+def rollout_values(rollout: Rollout) -> dict[str, torch.Tensor]:
+    """The samples behind each team-level metric (flattened; averaged by the caller).
+
+    - ``reward``: team return of every joint action at the first turn (= the reward when single-turn);
+    - ``success``: success of every joint action that ended a branch (done, last turn, or not expanded);
+    - ``reward/<name>``: each reward function's value on every joint action;
+    - multi-turn: ``turn_t/reward`` immediate team reward at turn t, ``solved_turn`` the turn of each success.
+    """
+    root = rollout.depth == 0
+    team_returns = rollout.node_returns.mean(dim=-1)  # [nodes, K]
+    values = {"reward": team_returns[root].flatten()}
     if rollout.success is not None:
-        metrics["success"] = float(rollout.success.mean())
-    for name, values in rollout.components.items():
-        metrics[f"reward/{name}"] = float(values.nanmean())
-    if rollout.rewards.shape[-1] > 1:
-        for i in range(rollout.rewards.shape[-1]):
-            metrics[f"agent_{i}/reward"] = float(rollout.rewards[..., i].mean())
+        terminal = rollout.terminal.bool()
+        values["success"] = rollout.success[terminal]
+    for name, comp in rollout.components.items():
+        values[f"reward/{name}"] = comp.flatten()
+    N = rollout.rewards.shape[-1]
+    if N > 1:
+        for i in range(N):
+            values[f"agent_{i}/reward"] = rollout.node_returns[root][..., i].flatten()
+    if int(rollout.depth.max()) > 0:
+        team_rewards = rollout.rewards.mean(dim=-1)
+        for t in range(int(rollout.depth.max()) + 1):
+            values[f"turn_{t + 1}/reward"] = team_rewards[rollout.depth == t].flatten()
+        if rollout.success is not None:
+            solved = rollout.terminal.bool() & rollout.success.bool()
+            depth = rollout.depth.unsqueeze(1).expand_as(solved)
+            values["solved_turn"] = (depth[solved] + 1).float()
+    return values
+
+
+def rollout_metrics(rollout: Rollout) -> dict[str, float]:
+    """Team-level training metrics of a rollout (see ``rollout_values``), plus the reward's spread."""
+    metrics = {k: float(v.nanmean()) for k, v in rollout_values(rollout).items() if v.numel()}
+    team = rollout.node_returns[rollout.depth == 0].mean(dim=-1)
+    metrics["reward_std"] = float(team.std()) if team.numel() > 1 else 0.0
+    if int(rollout.depth.max()) > 0:
+        metrics["nodes_per_item"] = len(rollout.parent) / int((rollout.depth == 0).sum())
     return metrics
 
 
