@@ -1,0 +1,292 @@
+"""Multi-turn rollout trees: shapes, call counts, returns by hand, histories, masking, errors."""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from comarl import ConfigError, FunctionEnv, MAGRPOConfig, MAGRPOTrainer
+from comarl.engines import Generation, SamplingParams
+from comarl.envs import History, comlrl_transition
+from comarl.rollout import collect, tree_returns
+
+
+class CountingEngine:
+    """A stand-in for HFEngine: completion j of agent i to prompt p is f"{p}|a{i}s{j}"; counts calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[str, int]] = []
+
+    def generate(self, agent, prompts, num_generations, params):
+        self.calls.append((agent.name, len(prompts)))
+        rows = len(prompts) * num_generations
+        texts = [f"{agent.name}s{j}" for _ in prompts for j in range(num_generations)]
+        ones = torch.ones(rows, 2, dtype=torch.long)
+        return Generation(ones, ones, ones, ones, [p for p in prompts for _ in range(num_generations)], texts)
+
+
+def fake_agents(n):
+    return [SimpleNamespace(name=f"a{i}", tokenizer=SimpleNamespace(pad_token_id=0)) for i in range(n)]
+
+
+def env_with(transition, reward=None, num_agents=2, num_turns=3):
+    reward = reward or (lambda *completions: [1.0] * len(completions[0]))
+    return FunctionEnv(
+        reward,
+        lambda item: item["prompt"],
+        num_agents,
+        reward_call="batched",
+        transition=transition,
+        num_turns=num_turns,
+    )
+
+
+def always_continue(item, completions, history):
+    return [f"turn{len(history.responses[0]) + 1}"] * len(completions)
+
+
+ITEMS = [{"prompt": "p0"}, {"prompt": "p1"}]
+
+
+@pytest.mark.parametrize(
+    ("joint_mode", "max_children", "nodes_per_turn"),
+    [
+        ("aligned", None, [1, 3, 9]),  # G=3 aligned: K=3 children per node
+        ("cross", None, [1, 9, 81]),  # cross: K=G^N=9
+        ("cross", 2, [1, 2, 4]),  # budget: 2 children per node
+        ("aligned", 1, [1, 1, 1]),  # a single path
+    ],
+)
+def test_tree_shapes_and_batched_calls(joint_mode, max_children, nodes_per_turn):
+    engine = CountingEngine()
+    rollout = collect(
+        env_with(always_continue),
+        fake_agents(2),
+        ITEMS,
+        engine=engine,
+        num_generations=3,
+        params=SamplingParams(),
+        joint_mode=joint_mode,
+        num_turns=3,
+        max_children=max_children,
+        generator=torch.Generator().manual_seed(0),
+    )
+    nodes_per_item = sum(nodes_per_turn)
+    assert len(rollout.parent) == 2 * nodes_per_item
+    # one generate per agent per turn, over every node of every item at that depth
+    assert engine.calls == [(f"a{i}", 2 * n) for n in nodes_per_turn for i in range(2)]
+    assert rollout.generations[0].completion_ids.shape[0] == 2 * nodes_per_item * 3
+    assert rollout.returns[1].shape == (2 * nodes_per_item, 3)
+
+
+def test_reward_calls_per_turn_batched_and_per_joint_action():
+    calls = []
+
+    def reward(a, b):
+        calls.append(len(a))
+        return [1.0] * len(a)
+
+    collect(
+        env_with(always_continue, reward, num_turns=2),
+        fake_agents(2),
+        ITEMS,
+        engine=CountingEngine(),
+        num_generations=2,
+        params=SamplingParams(),
+        num_turns=2,
+    )
+    assert calls == [
+        2 * 2,
+        2 * 2 * 2,
+    ]  # batched: one call per turn; turn 2 has 2 items x 2 nodes x 2 joint actions
+    env = FunctionEnv(reward, lambda item: item["prompt"], 2, transition=always_continue, num_turns=2)
+    calls.clear()
+    collect(
+        env,
+        fake_agents(2),
+        ITEMS,
+        engine=CountingEngine(),
+        num_generations=2,
+        params=SamplingParams(),
+        num_turns=2,
+    )
+    assert calls == [1] * (4 + 8)  # per_joint_action: one call per joint action
+
+
+def test_done_branches_get_no_children_and_the_transition_is_not_called_after_the_last_turn():
+    seen = []
+
+    def stop_when_s1(item, completions, history):
+        seen.append(len(history.responses[0]))
+        return None if completions[0].endswith("s1") else ["again", "again"]
+
+    rollout = collect(
+        env_with(stop_when_s1, num_turns=2),
+        fake_agents(2),
+        ITEMS[:1],
+        engine=CountingEngine(),
+        num_generations=2,
+        params=SamplingParams(),
+        num_turns=2,
+    )
+    assert len(rollout.parent) == 1 + 1  # joint action 1 ended the episode; joint action 0 continued
+    assert seen == [1, 1]  # called at turn 1 for both joint actions, never after the turn limit
+    assert rollout.terminal.tolist() == [[False, True], [True, True]]
+
+
+def test_tree_returns_by_hand():
+    # Root (node 0) with K=2 joint actions, one agent. Joint action 0 -> child node 1, joint action 1 done.
+    # Node 1 rewards [1, 3] (last turn). gamma = 0.5.
+    rewards = torch.tensor([[[2.0], [5.0]], [[1.0], [3.0]]])
+    done = torch.tensor([[False, True], [True, True]])
+    mean = tree_returns(rewards, done, {0: {0: 1}}, discount=0.5, backup="mean")
+    # node 1: R = r = [1, 3], V = 2; root: R0 = 2 + 0.5 * 2 = 3, R1 = 5 (done)
+    assert mean[:, :, 0].tolist() == [[3.0, 5.0], [1.0, 3.0]]
+    best = tree_returns(rewards, done, {0: {0: 1}}, discount=0.5, backup="max")
+    assert best[0, 0, 0] == 2 + 0.5 * 3
+    # joint action 1 not done but left out of the budget: bootstrapped with its expanded siblings' mean value
+    open_ = tree_returns(rewards, torch.tensor([[False, False], [True, True]]), {0: {0: 1}}, discount=0.5)
+    assert open_[0, 1, 0] == 5 + 0.5 * 2
+
+
+def test_discount_reaches_the_completion_returns():
+    turn_rewards = {"p0": 1.0, "turn2": 4.0}
+    env = FunctionEnv(
+        lambda a, b, prompts: [turn_rewards[p] for p in prompts[0]],
+        lambda item: item["prompt"],
+        2,
+        reward_call="batched",
+        transition=lambda i, c, h: ["turn2", "turn2"],
+        num_turns=2,
+    )
+    rollout = collect(
+        env,
+        fake_agents(2),
+        ITEMS[:1],
+        engine=CountingEngine(),
+        num_generations=2,
+        params=SamplingParams(),
+        num_turns=2,
+        discount=0.9,
+    )
+    # root joint actions: 1 + 0.9 * mean(4, 4) = 4.6; turn-2 nodes: 4
+    assert torch.allclose(rollout.returns[0][0], torch.tensor([4.6, 4.6]))
+    assert torch.allclose(rollout.returns[1][1:], torch.full((2, 2), 4.0))
+
+
+def test_histories_reach_the_transition_intact():
+    histories: list[History] = []
+
+    def record(item, completions, history):
+        histories.append(history)
+        return [f"{item['prompt']}-next-a0", f"{item['prompt']}-next-a1"]
+
+    collect(
+        env_with(record, num_turns=3),
+        fake_agents(2),
+        ITEMS[:1],
+        engine=CountingEngine(),
+        num_generations=1,
+        params=SamplingParams(),
+        num_turns=3,
+    )
+    assert histories[0].prompts == [["p0"], ["p0"]] and histories[0].responses == [["a0s0"], ["a1s0"]]
+    assert histories[1].prompts == [["p0", "p0-next-a0"], ["p0", "p0-next-a1"]]
+    assert histories[1].responses == [["a0s0", "a0s0"], ["a1s0", "a1s0"]]
+
+
+def test_comlrl_external_transition_plugs_in_unchanged():
+    got = {}
+
+    def external_transition(
+        prompt, agent_completions, num_agents, prompt_history_per_agent, response_history_per_agent
+    ):
+        got.update(
+            prompt=prompt,
+            completions=agent_completions,
+            n=num_agents,
+            prompts=prompt_history_per_agent,
+            responses=response_history_per_agent,
+        )
+        return [f"fix: {c}" for c in agent_completions]
+
+    fmt = [lambda ex: f"[helper] {ex['prompt']}", lambda ex: f"[main] {ex['prompt']}"]
+    transition = comlrl_transition(external_transition, 2, fmt)
+    out = transition(
+        {"prompt": "task"}, ["x", "y"], History([["[helper] task"], ["[main] task"]], [["x"], ["y"]])
+    )
+    assert out == ["[helper] fix: x", "[main] fix: y"]  # formatters re-applied, as CoMLRL does
+    assert got == {
+        "prompt": "task",
+        "completions": ["x", "y"],
+        "n": 2,
+        "prompts": [["[helper] task"], ["[main] task"]],
+        "responses": [["x"], ["y"]],
+    }
+    assert comlrl_transition(external_transition, 2, fmt, prompt_passthrough=True)(
+        {"prompt": "task"}, ["x", "y"], History.empty(2)
+    ) == ["fix: x", "fix: y"]
+
+
+def test_transition_returning_the_wrong_number_of_prompts():
+    def one_prompt(item, completions, history):
+        return ["only one"]
+
+    with pytest.raises(
+        ValueError, match=r"transition 'one_prompt' returned \['only one'\] .* expected a list of 2 prompts"
+    ):
+        collect(
+            env_with(one_prompt, num_turns=2),
+            fake_agents(2),
+            ITEMS[:1],
+            engine=CountingEngine(),
+            num_generations=1,
+            params=SamplingParams(),
+            num_turns=2,
+        )
+
+
+def test_environment_text_is_never_trained_on(qwen_bpe):
+    """Turn-2 prompts carry environment feedback; only generated tokens are in the completion mask."""
+    feedback = "the tests failed : try again"
+    args = MAGRPOConfig(
+        prompts_per_step=1, num_generations=2, max_new_tokens=3, num_turns=2, max_steps=1, progress_bar=False
+    )
+    trainer = MAGRPOTrainer(
+        model=qwen_bpe,
+        num_agents=2,
+        train_dataset=[{"prompt": "def add(a, b):"}],
+        reward_func=lambda a, b: [float(len(a[0]))],
+        transition=lambda item, c, h: [f"{feedback} {c[0]}", f"{feedback} {c[1]}"],
+        args=args,
+    )
+    rollout = collect(
+        trainer.env,
+        trainer.team.agents,
+        [{"prompt": "def add(a, b):"}],
+        engine=trainer.engine,
+        num_generations=2,
+        params=trainer._sampling(),
+        num_turns=2,
+    )
+    gen = rollout.generations[0]
+    assert gen.completion_ids.shape[0] == (1 + 2) * 2
+    assert all(feedback in p for p in gen.prompts[2:])
+    feedback_ids = set(trainer.team[0].tokenizer(feedback)["input_ids"])
+    scored = set(gen.completion_ids[gen.completion_mask.bool()].tolist())
+    prompt_only = feedback_ids - set(trainer.team[0].tokenizer(" ".join(gen.completions))["input_ids"])
+    assert not (prompt_only & scored)
+    metrics = trainer.train()
+    assert "turn_2/reward" in metrics and metrics["nodes_per_item"] == 3
+
+
+def test_multi_turn_needs_a_transition(qwen_bpe):
+    with pytest.raises(ConfigError, match="num_turns=2 needs transition="):
+        MAGRPOTrainer(
+            model=qwen_bpe,
+            train_dataset=ITEMS,
+            reward_func=lambda a, b: [0.0],
+            args=MAGRPOConfig(num_turns=2, prompts_per_step=1),
+        )
