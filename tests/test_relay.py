@@ -1,0 +1,63 @@
+"""The two-turn relay game: multi-turn training uses the second turn, single-turn training cannot."""
+
+from __future__ import annotations
+
+import pytest
+
+from comarl import MAGRPOConfig, MAGRPOTrainer
+from comarl.envs import History
+from comarl.tasks import relay
+
+
+def test_relay_transition_ends_on_a_match_and_reports_the_partner():
+    item = {"city": "oslo", "open_places": ["park", "cafe"]}
+    assert relay.relay_transition(item, ["park", "park ."], History.empty(2)) is None
+    assert relay.relay_transition(item, ["park", "museum"], History.empty(2)) == [
+        "bob said museum . the park and the cafe are open . where will you meet bob ?",
+        "alice said park . where will you meet alice ?",
+    ]
+
+
+def _trainer(paths, num_turns, steps):
+    args = MAGRPOConfig(
+        max_steps=steps,
+        prompts_per_step=6,
+        num_generations=8,
+        joint_mode="cross",
+        max_joint_actions=16,
+        max_children=4,
+        num_turns=num_turns,
+        max_new_tokens=3,
+        learning_rate=1e-3,
+        reward_call="batched",
+        success_threshold=1.0,
+        seed=0,
+        progress_bar=False,
+    )
+    return MAGRPOTrainer(
+        agents=[str(p) for p in paths],
+        train_dataset=relay.dataset(),
+        eval_dataset=relay.dataset(),
+        reward_func=relay.meeting_reward,
+        formatters=[relay.formatter(0), relay.formatter(1)],
+        transition=relay.relay_transition if num_turns > 1 else None,
+        args=args,
+    )
+
+
+@pytest.mark.slow
+def test_multi_turn_training_beats_single_turn_on_the_relay_game(tmp_path):
+    """Seeded: evaluated on two-turn episodes, a team trained on two turns succeeds >= 90%, one trained on
+    the first turn alone stays near the ~50% that guessing allows."""
+    paths = relay.build_team(tmp_path / "models")
+    single = _trainer(paths, num_turns=1, steps=100)
+    single.train()
+    single.save_model(tmp_path / "single")
+    trained_single = [tmp_path / "single" / f"agent_{i}" for i in range(2)]
+    single_success = _trainer(trained_single, num_turns=2, steps=1).evaluate()["eval/success"]
+    multi = _trainer(paths, num_turns=2, steps=250)
+    multi.train()
+    result = multi.evaluate()
+    assert result["eval/success"] >= 0.9
+    assert single_success <= 0.6
+    assert result["eval/turn_2/reward"] > 0.5  # the second turn is where the multi-turn team wins
