@@ -76,13 +76,20 @@ class Env:
         """For each episode (an env after ``reset``), apply each of its joint actions from that same state.
 
         ``joint_actions[e][k]`` is the k-th joint action of episode ``e``. Returns results of the same
-        shape. The default copies the episode for every joint action, so that siblings never see
-        each other's moves; override it to score a whole batch at once.
+        shape, each with ``result.episode`` set to its branch's environment after the step. The
+        default deep-copies the episode for every joint action, so that siblings never see each
+        other's moves; override it to score a whole batch at once.
         """
-        return [
-            [copy.deepcopy(ep).step(action) for action in actions]
-            for ep, actions in zip(episodes, joint_actions)
-        ]
+        results = []
+        for ep, actions in zip(episodes, joint_actions):
+            row = []
+            for action in actions:
+                branch = copy.deepcopy(ep)
+                result = branch.step(action)
+                result.episode = branch
+                row.append(result)
+            results.append(row)
+        return results
 
 
 # ----------------------------------------------------------------------------- reward functions

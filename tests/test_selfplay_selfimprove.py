@@ -1,0 +1,76 @@
+"""The self-play and self-improvement examples run end to end on tiny local models."""
+
+from __future__ import annotations
+
+from comarl import MAGRPOConfig, MAGRPOTrainer
+from comarl.envs import History
+from comarl.tasks import selfimprove, selfplay
+
+
+def test_hide_and_seek_keeps_score_and_pays_per_agent():
+    env = selfplay.HideAndSeek(rounds=2)
+    assert env.reset({})[0] == "round 1 . score hider 0 seeker 0 . hide in a place :"
+    first = env.step(["park", "park"])  # found
+    assert first.rewards == [0.0, 1.0] and not first.done
+    assert first.observations[1] == "round 2 . score hider 0 seeker 1 . where is the hider ?"
+    second = env.step(["cafe", "park"])  # hidden
+    assert second.rewards == [1.0, 0.0] and second.done and second.info["score"] == [1, 1]
+    assert env.step(["banana", "park"]).rewards == [0.0, 0.0]  # hiding nowhere scores nothing
+
+
+def test_self_play_trains_over_rounds(tmp_path):
+    args = MAGRPOConfig(
+        prompts_per_step=2,
+        num_generations=2,
+        num_turns=3,
+        max_children=1,
+        max_new_tokens=2,
+        max_steps=2,
+        learning_rate=1e-3,
+        progress_bar=False,
+    )
+    trainer = MAGRPOTrainer(
+        agents=[str(p) for p in selfplay.build_team(tmp_path)],
+        train_dataset=selfplay.dataset(),
+        env=selfplay.HideAndSeek(rounds=3),
+        args=args,
+    )
+    metrics = trainer.train()
+    assert metrics["nodes_per_item"] == 3  # one branch per round: 1 + 1 + 1
+    assert {"turn_1/reward", "turn_3/reward", "agent_0/reward", "agent_1/reward"} <= set(metrics)
+
+
+def test_revise_transition_uses_the_agents_own_previous_answer():
+    item = {"city": "lima", "open_places": ["park", "cafe"]}
+    history = History([["which place is open in lima ?"]], [["museum ."]])
+    assert selfimprove.revise_transition(item, ["museum ."], history) == [
+        "you said museum . the museum is closed . the park and the cafe are open . which place is open ?"
+    ]
+    assert selfimprove.revise_transition(item, ["cafe"], History([[""]], [["cafe"]])) is None
+
+
+def test_self_improvement_trains_one_agent_over_turns(tmp_path):
+    args = MAGRPOConfig(
+        prompts_per_step=3,
+        num_generations=2,
+        num_turns=2,
+        max_new_tokens=2,
+        max_steps=2,
+        learning_rate=1e-3,
+        reward_call="batched",
+        success_threshold=1.0,
+        progress_bar=False,
+    )
+    trainer = MAGRPOTrainer(
+        model=str(selfimprove.build_agent(tmp_path)),
+        num_agents=1,
+        train_dataset=selfimprove.dataset(),
+        eval_dataset=selfimprove.dataset()[:6],
+        reward_func=selfimprove.open_place_reward,
+        formatters=selfimprove.formatter,
+        transition=selfimprove.revise_transition,
+        args=args,
+    )
+    metrics = trainer.train()
+    assert "turn_1/reward" in metrics and 1 <= metrics["nodes_per_item"] <= 3
+    assert "eval/success" in trainer.evaluate()
