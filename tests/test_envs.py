@@ -69,4 +69,8 @@ def test_default_step_many_isolates_sibling_joint_actions():
     results = episode.step_many([episode], [[["a"], ["b"], ["c"]]])
     assert [r.rewards for r in results[0]] == [[1.0], [1.0], [1.0]]  # each sibling starts from the same state
     assert episode.seen == []
-    assert [r.episode.seen for r in results[0]] == [["a"], ["b"], ["c"]]  # each branch continues from its own state
+    assert [r.episode.seen for r in results[0]] == [
+        ["a"],
+        ["b"],
+        ["c"],
+    ]  # each branch continues from its own state

@@ -79,14 +79,15 @@ def corpus() -> list[str]:
     return lines
 
 
-def build_team(base_dir: str | Path, seed: int = 0) -> list[Path]:
-    """Two different tiny architectures (Llama and GPT-2), random weights, word-level tokenizers, saved to disk."""
+def build_team(base_dir: str | Path, seed: int = 0, texts: Sequence[str] | None = None) -> list[Path]:
+    """Two different tiny architectures (Llama and GPT-2), random weights, word-level tokenizers trained on
+    ``texts`` (default: this game's ``corpus()``), saved to disk."""
     from comarl.tiny import tiny_model
 
-    base = Path(base_dir)
+    base, texts = Path(base_dir), corpus() if texts is None else list(texts)
     return [
-        tiny_model(base / "alice-llama", texts=corpus(), kind="word", arch="llama", seed=seed),
-        tiny_model(base / "bob-gpt2", texts=corpus(), kind="word", arch="gpt2", seed=seed + 1),
+        tiny_model(base / "alice-llama", texts=texts, kind="word", arch="llama", seed=seed),
+        tiny_model(base / "bob-gpt2", texts=texts, kind="word", arch="gpt2", seed=seed + 1),
     ]
 
 

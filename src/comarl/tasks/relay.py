@@ -23,6 +23,7 @@ from pathlib import Path
 from typing import Any
 
 from comarl.envs import History
+from comarl.tasks import demo
 from comarl.tasks.demo import CITIES, PLACES, dataset, first_word, meeting_reward
 
 __all__ = ["dataset", "formatter", "relay_transition", "meeting_reward", "corpus", "build_team"]
@@ -64,11 +65,5 @@ def corpus() -> list[str]:
 
 
 def build_team(base_dir: str | Path, seed: int = 0) -> list[Path]:
-    """Two tiny models (Llama and GPT-2) with word-level tokenizers trained on this game's text."""
-    from comarl.tiny import tiny_model
-
-    base = Path(base_dir)
-    return [
-        tiny_model(base / "alice-llama", texts=corpus(), kind="word", arch="llama", seed=seed),
-        tiny_model(base / "bob-gpt2", texts=corpus(), kind="word", arch="gpt2", seed=seed + 1),
-    ]
+    """The demo's two tiny models (Llama and GPT-2), with tokenizers trained on this game's text."""
+    return demo.build_team(base_dir, seed, texts=corpus())
