@@ -425,3 +425,15 @@ def test_joint_action_indices_single_agent_is_aligned():
 def test_joint_action_indices_unknown_mode():
     with pytest.raises(ValueError, match="joint_action_indices: unknown mode 'diagonal'"):
         joint_action_indices(2, 2, "diagonal")
+
+
+def test_turn_scale_uses_the_spread_of_each_turn():
+    # Groups 0 and 1 are at turn 0, group 2 at turn 1 (G = 2), baseline group_mean:
+    #   turn 0 returns {0, 2, 4, 6}: unbiased std = sqrt(20/3); turn 1 returns {1, 3}: std = sqrt(2)
+    #   A = R - group mean = [[-1, 1], [-1, 1], [-1, 1]]
+    returns = torch.tensor([[0.0, 2.0], [4.0, 6.0], [1.0, 3.0]])
+    got = group_advantages(returns, "group_mean", "turn", turns=torch.tensor([0, 0, 1]))
+    s0, s1 = math.sqrt(20 / 3) + 1e-4, math.sqrt(2) + 1e-4
+    assert_close(got, torch.tensor([[-1 / s0, 1 / s0], [-1 / s0, 1 / s0], [-1 / s1, 1 / s1]]))
+    with pytest.raises(ValueError, match=r"scale='turn' needs turns of shape \[num_groups\]"):
+        group_advantages(returns, "group_mean", "turn")

@@ -20,6 +20,7 @@ def group_advantages(
     scale: str = "group",
     greedy_returns: torch.Tensor | None = None,
     eps: float = 1e-4,
+    turns: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Advantages of ``returns`` shaped ``[num_groups, G]`` (one group = the G samples of one prompt).
 
@@ -36,6 +37,8 @@ def group_advantages(
 
     - ``group``  A / (std_j R_j + eps)    std over the G samples of the group (unbiased, as in GRPO)
     - ``batch``  A / (std R + eps)        std over every return in the batch
+    - ``turn``   A / (std R_turn + eps)   std over the returns of every group at the same turn
+                                          (``turns[num_groups]`` gives each group's turn)
     - ``none``   A
 
     The scale divides by the spread of the *returns*, not of ``A``, so the baselines stay
@@ -73,6 +76,14 @@ def group_advantages(
         if returns.numel() < 2:
             raise ValueError("group_advantages: scale='batch' needs at least 2 returns in the batch")
         advantages = advantages / (returns.std() + eps)
+    elif scale == "turn":
+        if turns is None or turns.shape != returns.shape[:1]:
+            raise ValueError("group_advantages: scale='turn' needs turns of shape [num_groups]")
+        std = torch.empty_like(returns[:, :1])
+        for t in turns.unique():
+            rows = turns == t
+            std[rows] = returns[rows].std() if returns[rows].numel() > 1 else 0.0
+        advantages = advantages / (std + eps)
     elif scale != "none":
         raise ValueError(f"group_advantages: unknown scale {scale!r}; choose one of {SCALES}")
     return advantages

@@ -1,5 +1,5 @@
 """Names of the algorithm options, shared by the configs (no torch) and the tensor math."""
 
 BASELINES = ("group_mean", "none", "leave_one_out", "group_max", "greedy")
-SCALES = ("group", "batch", "none")
+SCALES = ("group", "batch", "turn", "none")
 AGGREGATIONS = ("grpo", "dr_grpo", "dapo")

@@ -154,7 +154,9 @@ class MAGRPOConfig:
         default="group_mean",
     )
     scale: str = _help(
-        "Divide advantages by the std of the returns of the 'group', the 'batch', or 'none'.", default="group"
+        "Divide advantages by the std of the returns of the 'group', the 'batch', the same 'turn' (multi-turn: "
+        "per agent and per turn across the batch), or 'none'.",
+        default="group",
     )
     loss_aggregation: str = _help(
         "grpo (mean per sequence, then over sequences), dr_grpo (sum / (sequences x max_new_tokens)), "

@@ -208,7 +208,11 @@ class MAGRPOTrainer:
         advantages = []
         for i in range(self.num_agents):
             adv = group_advantages(
-                rollout.returns[i], args.baseline, args.scale, None if greedy is None else greedy[i]
+                rollout.returns[i],
+                args.baseline,
+                args.scale,
+                None if greedy is None else greedy[i],
+                turns=rollout.depth,
             ).flatten()
             advantages.append(adv)
             metrics.update(
