@@ -11,7 +11,7 @@ there is a smaller shared bonus of 0.25 for each agent that names an open place 
 random models find the answer vocabulary. Matching is only possible together, and each pair of
 open places has two equally good answers: the agents must read their observation and settle on
 a convention (say, "the museum whenever it is open") that neither can impose alone. Random
-models succeed about 1% of the time.
+models succeed well under 1% of the time.
 """
 
 from __future__ import annotations
