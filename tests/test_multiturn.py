@@ -74,7 +74,7 @@ def test_tree_shapes_and_batched_calls(joint_mode, max_children, nodes_per_turn)
         generator=torch.Generator().manual_seed(0),
     )
     nodes_per_item = sum(nodes_per_turn)
-    assert len(rollout.parent) == 2 * nodes_per_item
+    assert rollout.depth.numel() == 2 * nodes_per_item
     # one generate per agent per turn, over every node of every item at that depth
     assert engine.calls == [(f"a{i}", 2 * n) for n in nodes_per_turn for i in range(2)]
     assert rollout.generations[0].completion_ids.shape[0] == 2 * nodes_per_item * 3
@@ -131,7 +131,7 @@ def test_done_branches_get_no_children_and_the_transition_is_not_called_after_th
         params=SamplingParams(),
         num_turns=2,
     )
-    assert len(rollout.parent) == 1 + 1  # joint action 1 ended the episode; joint action 0 continued
+    assert rollout.depth.numel() == 1 + 1  # joint action 1 ended the episode; joint action 0 continued
     assert seen == [1, 1]  # called at turn 1 for both joint actions, never after the turn limit
     assert rollout.terminal.tolist() == [[False, True], [True, True]]
 

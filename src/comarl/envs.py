@@ -144,8 +144,7 @@ class RewardFunction:
         self._takes_all = any(p.kind == p.VAR_KEYWORD for p in params)
         keyword_params = positional[self.num_agents :] + [p for p in params if p.kind == p.KEYWORD_ONLY]
         self._keywords = {p.name for p in keyword_params}
-        required = [p.name for p in keyword_params if p.default is p.empty]
-        self._required = required
+        self._required = [p.name for p in keyword_params if p.default is p.empty]
 
     def __call__(
         self,
@@ -191,11 +190,10 @@ class RewardFunction:
             )
         rows: list[list[float]] = []
         for k, v in enumerate(value):
-            where = _where(items[k : k + 1])
             if isinstance(v, Sequence) and not isinstance(v, str):
                 if len(v) != self.num_agents:
                     raise RewardFunctionError(
-                        f"reward function {self.name!r} returned per-agent rewards {_short(v)} on {where}: "
+                        f"reward function {self.name!r} returned per-agent rewards {_short(v)} on {_where(items[k : k + 1])}: "
                         f"expected {self.num_agents} values (one per agent)"
                     )
                 row = list(v)
@@ -204,7 +202,8 @@ class RewardFunction:
             for r in row:
                 if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
                     raise RewardFunctionError(
-                        f"reward function {self.name!r} returned {r!r} on {where}: rewards must be finite numbers"
+                        f"reward function {self.name!r} returned {r!r} on {_where(items[k : k + 1])}: "
+                        "rewards must be finite numbers"
                     )
             rows.append([float(r) for r in row])
         return rows

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import copy
 import itertools
-from collections.abc import Callable, Sequence
+import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,14 +32,12 @@ class Rollout:
     joint_index: torch.Tensor
     rewards: torch.Tensor
     returns: list[torch.Tensor]
+    node_returns: torch.Tensor
+    depth: torch.Tensor  # [num_nodes]: the turn of each node (0 = the item's first turn)
+    terminal: torch.Tensor  # [num_nodes, K]: the joint action has no child
     success: torch.Tensor | None
     components: dict[str, torch.Tensor] = field(default_factory=dict)
-    results: list[list[StepResult]] = field(default_factory=list)
-    node_returns: torch.Tensor | None = None
-    depth: torch.Tensor | None = None
-    node_item: torch.Tensor | None = None
-    parent: list[tuple[int, int] | None] = field(default_factory=list)
-    terminal: torch.Tensor | None = None  # [num_nodes, K]: the joint action has no child
+    generate_seconds: float = 0.0  # time spent in generate, all turns
 
 
 @dataclass
@@ -123,7 +122,6 @@ def collect(
     early_termination_threshold: float | None = None,
     generator: torch.Generator | None = None,
     pool: Any = None,
-    on_generated: Callable[[], None] | None = None,
 ) -> Rollout:
     """Play every item as a tree of turns and credit each completion with its return.
 
@@ -149,15 +147,16 @@ def collect(
     joint_rows: list[torch.Tensor] = []
     results: list[list[StepResult]] = []
     children: dict[int, dict[int, int]] = {}
+    generate_seconds = 0.0
     level = roots
     for depth in range(num_turns):
         if not level:
             break
+        started = time.perf_counter()
         gens = generate_all(
             engine, agents, [[n.observations[i] for n in level] for i in range(N)], G, params, pool
         )
-        if on_generated is not None and depth == 0:
-            on_generated()
+        generate_seconds += time.perf_counter() - started
         level_generations.append(gens)
         offset = len(nodes)
         nodes.extend(level)
@@ -231,14 +230,12 @@ def collect(
         joint_index,
         rewards,
         returns,
-        success,
-        components,
-        results,
         node_returns,
         depth=torch.tensor([n.depth for n in nodes]),
-        node_item=torch.tensor([n.item for n in nodes]),
-        parent=[n.parent for n in nodes],
         terminal=terminal,
+        success=success,
+        components=components,
+        generate_seconds=generate_seconds,
     )
 
 

@@ -187,7 +187,6 @@ class MAGRPOTrainer:
         """Collect one batch of joint experience and update every agent once (``num_iterations`` steps)."""
         args = self.args
         t0 = time.perf_counter()
-        timer: dict[str, float] = {}
         rollout = collect(
             self.env,
             self.team.agents,
@@ -200,9 +199,22 @@ class MAGRPOTrainer:
             **self._tree_settings(),
             generator=self.joint_generator,
             pool=self.pool,
-            on_generated=lambda: timer.setdefault("generate", time.perf_counter() - t0),
         )
-        greedy = self._greedy_returns(items) if args.baseline == "greedy" else None
+        generate_seconds = rollout.generate_seconds
+        greedy = None
+        if args.baseline == "greedy":
+            greedy_rollout = collect(
+                self.env,
+                self.team.agents,
+                items,
+                engine=self.engine,
+                num_generations=1,
+                params=self._sampling(do_sample=False),
+                pool=self.pool,
+            )
+            generate_seconds += greedy_rollout.generate_seconds
+            # ReMax baseline: each agent's reward for the team's greedy joint action on each item, [N][B].
+            greedy = [greedy_rollout.rewards[:, 0, i] for i in range(self.num_agents)]
         t1 = time.perf_counter()
         metrics = rollout_metrics(rollout)
         advantages = []
@@ -222,8 +234,8 @@ class MAGRPOTrainer:
         completions = sum(len(g.completions) for g in rollout.generations)
         metrics.update(
             {
-                "time/generate": timer.get("generate", 0.0),
-                "time/reward": t1 - t0 - timer.get("generate", 0.0),
+                "time/generate": generate_seconds,
+                "time/environment": t1 - t0 - generate_seconds,
                 "time/update": t2 - t1,
                 "time/step": t2 - t0,
                 "completions_per_s": completions / (t2 - t0),
@@ -243,9 +255,8 @@ class MAGRPOTrainer:
         # Behaviour and reference log-probs only when the loss needs them.
         old = self._logprobs(agent, gen, batches) if args.num_iterations > 1 else None
         ref = self._logprobs(agent, gen, batches, self.references[i]) if self.references is not None else None
-        totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0}
         for _ in range(args.num_iterations):
-            totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0}
+            totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0}  # metrics of the last iteration
             for sl in batches:
                 mask = gen.completion_mask[sl]
                 with self._autocast(device):
@@ -357,19 +368,6 @@ class MAGRPOTrainer:
     def _sampling(self, do_sample: bool = True) -> SamplingParams:
         a = self.args
         return SamplingParams(a.max_new_tokens, a.min_new_tokens, a.temperature, a.top_p, a.top_k, do_sample)
-
-    def _greedy_returns(self, items: Sequence[Any]) -> list[torch.Tensor]:
-        """ReMax baseline: each agent's reward for the team's greedy joint action on each item, [N][B]."""
-        rollout = collect(
-            self.env,
-            self.team.agents,
-            items,
-            engine=self.engine,
-            num_generations=1,
-            params=self._sampling(do_sample=False),
-            pool=self.pool,
-        )
-        return [rollout.rewards[:, 0, i] for i in range(self.num_agents)]
 
     @torch.no_grad()
     def _logprobs(
@@ -491,11 +489,11 @@ def rollout_values(rollout: Rollout) -> dict[str, torch.Tensor]:
 
 def rollout_metrics(rollout: Rollout) -> dict[str, float]:
     """Team-level training metrics of a rollout (see ``rollout_values``), plus the reward's spread."""
-    metrics = {k: float(v.nanmean()) for k, v in rollout_values(rollout).items() if v.numel()}
-    team = rollout.node_returns[rollout.depth == 0].mean(dim=-1)
-    metrics["reward_std"] = float(team.std()) if team.numel() > 1 else 0.0
+    values = rollout_values(rollout)
+    metrics = {k: float(v.nanmean()) for k, v in values.items() if v.numel()}
+    metrics["reward_std"] = float(values["reward"].std()) if values["reward"].numel() > 1 else 0.0
     if int(rollout.depth.max()) > 0:
-        metrics["nodes_per_item"] = len(rollout.parent) / int((rollout.depth == 0).sum())
+        metrics["nodes_per_item"] = rollout.depth.numel() / int((rollout.depth == 0).sum())
     return metrics
 
 
