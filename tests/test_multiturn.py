@@ -2,15 +2,16 @@
 
 from __future__ import annotations
 
+import math
 from types import SimpleNamespace
 
 import pytest
 import torch
 
-from comarl import ConfigError, FunctionEnv, MAGRPOConfig, MAGRPOTrainer
+from comarl import ConfigError, FunctionEnv, MAGRPOConfig, MAGRPOTrainer, MAReMaxConfig, MAReMaxTrainer
 from comarl.engines import Generation, SamplingParams
 from comarl.envs import History, comlrl_transition
-from comarl.rollout import collect, tree_returns
+from comarl.rollout import collect, greedy_returns, tree_returns
 
 
 class CountingEngine:
@@ -176,6 +177,41 @@ def test_discount_reaches_the_completion_returns():
     assert torch.allclose(rollout.returns[1][1:], torch.full((2, 2), 4.0))
 
 
+def test_greedy_baseline_follows_a_greedy_path_from_every_node():
+    """MAReMax over turns: b[n] = sum_s gamma^s r_{t+s} along the team's greedy play from node n."""
+    # The reward is the digit at the end of agent 0's prompt: p0 -> 0, p1 -> 1, turn2 -> 2, turn3 -> 3.
+    env = env_with(always_continue, lambda a, b, prompts: [float(p[-1]) for p in prompts[0]], num_turns=3)
+    engine = CountingEngine()
+    common = {"engine": engine, "num_turns": 3, "discount": 0.5}
+    rollout = collect(env, fake_agents(2), ITEMS, num_generations=2, params=SamplingParams(), **common)
+    engine.calls.clear()
+    baselines, _ = greedy_returns(
+        env, fake_agents(2), rollout, params=SamplingParams(do_sample=False), **common
+    )
+    # roots: r0 + 0.5 * 2 + 0.25 * 3 (item 0: r0 = 0, item 1: r0 = 1); turn 2: 2 + 0.5 * 3; turn 3: 3
+    expected = {0: [1.75, 2.75], 1: [3.5] * 4, 2: [3.0] * 8}
+    for depth, values in expected.items():
+        got = baselines[rollout.depth == depth]
+        assert got.tolist() == [[v, v] for v in values]  # shared reward: the same for both agents
+    # one greedy completion per path, all paths batched: 14 nodes, then 6 paths still going, then 2
+    assert engine.calls == [(f"a{i}", n) for n in (14, 6, 2) for i in range(2)]
+
+
+def test_greedy_path_stops_when_the_episode_is_done():
+    env = env_with(
+        lambda item, completions, history: None if item["prompt"] == "p1" else ["turn2", "turn2"],
+        lambda a, b, prompts: [float(p[-1]) for p in prompts[0]],
+        num_turns=2,
+    )
+    common = {"engine": CountingEngine(), "num_turns": 2, "discount": 1.0}
+    rollout = collect(env, fake_agents(2), ITEMS, num_generations=1, params=SamplingParams(), **common)
+    baselines, _ = greedy_returns(
+        env, fake_agents(2), rollout, params=SamplingParams(do_sample=False), **common
+    )
+    # item 0 continues (0 + 2), item 1 is done after turn 1 (1); the turn-2 node of item 0 gets 2
+    assert baselines[:, 0].tolist() == [2.0, 1.0, 2.0]
+
+
 def test_histories_reach_the_transition_intact():
     histories: list[History] = []
 
@@ -282,6 +318,27 @@ def test_environment_text_is_never_trained_on(qwen_bpe):
     assert "turn_2/reward" in metrics and metrics["nodes_per_item"] == 3
 
 
+def test_maremax_trains_over_turns(qwen_bpe):
+    trainer = MAReMaxTrainer(
+        model=qwen_bpe,
+        num_agents=2,
+        train_dataset=[{"prompt": "def add(a, b):"}],
+        reward_func=lambda a, b: [float(len(a[0]) > len(b[0]))],
+        transition=lambda item, c, h: [f"again {c[1]}", f"again {c[0]}"],
+        args=MAReMaxConfig(
+            prompts_per_step=1,
+            num_generations=2,
+            max_new_tokens=3,
+            num_turns=2,
+            max_steps=1,
+            progress_bar=False,
+        ),
+    )
+    metrics = trainer.train()
+    assert metrics["nodes_per_item"] == 3 and "turn_2/reward" in metrics
+    assert all(math.isfinite(metrics[f"agent_{i}/loss"]) for i in range(2))
+
+
 def test_multi_turn_needs_a_transition(qwen_bpe):
     with pytest.raises(ConfigError, match="num_turns=2 needs transition="):
         MAGRPOTrainer(
@@ -290,3 +347,28 @@ def test_multi_turn_needs_a_transition(qwen_bpe):
             reward_func=lambda a, b: [0.0],
             args=MAGRPOConfig(num_turns=2, prompts_per_step=1),
         )
+
+
+def test_multi_turn_eval_plays_independent_episodes(qwen_bpe):
+    """num_generations_eval=G over turns: G separate paths per item, not a G-ary tree."""
+    trainer = MAGRPOTrainer(
+        model=qwen_bpe,
+        num_agents=2,
+        train_dataset=ITEMS,
+        reward_func=lambda a, b: [0.0],
+        transition=lambda item, c, h: ["again", "again"],
+        args=MAGRPOConfig(
+            prompts_per_step=2, num_generations=2, max_new_tokens=2, num_turns=3, progress_bar=False
+        ),
+    )
+    calls = []
+    generate = trainer.engine.generate
+
+    def recording(agent, prompts, num_generations, params):
+        calls.append((len(prompts), num_generations))
+        return generate(agent, prompts, num_generations, params)
+
+    trainer.engine.generate = recording
+    result = trainer.evaluate(ITEMS, num_generations=3, do_sample=True)
+    assert calls == [(2 * 3, 1)] * (2 * 3)  # 3 turns x 2 agents, each over 2 items x 3 episodes
+    assert "eval/turn_3/reward" in result

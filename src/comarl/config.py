@@ -359,10 +359,6 @@ class MAGRPOConfig:
                 f"{self.children_per_node(num_agents)} children per node) > max_nodes={self.max_nodes}: "
                 "set max_children, lower num_turns / num_generations, or raise max_nodes"
             )
-        if self.num_turns > 1 and self.baseline == "greedy":
-            raise ConfigError(
-                "baseline='greedy' (MAReMax) is single-turn only; use num_turns=1 or another baseline"
-            )
 
     def joint_actions_per_node(self, num_agents: int) -> int:
         """K: joint actions evaluated at every node."""

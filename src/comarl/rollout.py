@@ -38,6 +38,8 @@ class Rollout:
     success: torch.Tensor | None
     components: dict[str, torch.Tensor] = field(default_factory=dict)
     generate_seconds: float = 0.0  # time spent in generate, all turns
+    # Each node's state before its agents acted: (the branch's environment, the observations).
+    states: list[tuple[Env, list[Any]]] = field(default_factory=list, repr=False)
 
 
 @dataclass
@@ -236,7 +238,57 @@ def collect(
         success=success,
         components=components,
         generate_seconds=generate_seconds,
+        states=[(n.episode, n.observations) for n in nodes],
     )
+
+
+def greedy_returns(
+    env: Env,
+    agents: Sequence[Agent],
+    rollout: Rollout,
+    *,
+    engine: HFEngine,
+    params: SamplingParams,
+    num_turns: int = 1,
+    discount: float = 1.0,
+    pool: Any = None,
+) -> tuple[torch.Tensor, float]:
+    """The return of the team's greedy play from every node of ``rollout``: ``[num_nodes, N]`` (ReMax baseline).
+
+    From node ``n`` at turn ``t`` every agent answers greedily (``params`` with ``do_sample=False``),
+    the environment steps, and the team goes on greedily until the episode is done or the turn limit:
+
+        b[n] = sum_{s >= 0} gamma^s * r_{t+s}(greedy path from n)
+
+    The baseline depends on the node's state only, not on the sampled answers it is compared with,
+    so the policy gradient stays unbiased. All paths advance together: one batched generate per agent
+    per step, ``num_turns`` steps at most. Returns the baselines and the seconds spent generating.
+    """
+    N = len(agents)
+    totals = torch.zeros(len(rollout.states), N)
+    active = [(n, ep, obs, int(rollout.depth[n])) for n, (ep, obs) in enumerate(rollout.states)]
+    seconds, weight = 0.0, 1.0
+    while active:
+        started = time.perf_counter()
+        gens = generate_all(
+            engine, agents, [[obs[i] for _, _, obs, _ in active] for i in range(N)], 1, params, pool
+        )
+        seconds += time.perf_counter() - started
+        actions = [[[gens[i].completions[j] for i in range(N)]] for j in range(len(active))]
+        results = env.step_many([ep for _, ep, _, _ in active], actions)
+        next_active = []
+        for j, (n, _, _, depth) in enumerate(active):
+            result = results[j][0]
+            totals[n] += weight * torch.tensor(result.rewards, dtype=torch.float32)
+            if (
+                not result.done
+                and depth + 1 < num_turns
+                and result.episode is not None
+                and result.observations
+            ):
+                next_active.append((n, result.episode, list(result.observations), depth + 1))
+        active, weight = next_active, weight * discount
+    return totals, seconds
 
 
 def tree_returns(

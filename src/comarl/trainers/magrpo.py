@@ -31,7 +31,7 @@ from comarl.algorithms import aggregate_loss, clipped_surrogate, group_advantage
 from comarl.config import ConfigError, MAGRPOConfig, MAREINFORCEConfig, MAReMaxConfig, MARLOOConfig
 from comarl.engines import Generation, HFEngine, SamplingParams
 from comarl.envs import Env, FunctionEnv, comlrl_transition
-from comarl.rollout import Rollout, collect
+from comarl.rollout import Rollout, collect, greedy_returns
 
 
 class MAGRPOTrainer:
@@ -203,18 +203,19 @@ class MAGRPOTrainer:
         generate_seconds = rollout.generate_seconds
         greedy = None
         if args.baseline == "greedy":
-            greedy_rollout = collect(
+            # ReMax baseline: each agent's return when the team plays greedily from each node, [nodes, N].
+            baselines, seconds = greedy_returns(
                 self.env,
                 self.team.agents,
-                items,
+                rollout,
                 engine=self.engine,
-                num_generations=1,
                 params=self._sampling(do_sample=False),
+                num_turns=args.num_turns,
+                discount=args.discount,
                 pool=self.pool,
             )
-            generate_seconds += greedy_rollout.generate_seconds
-            # ReMax baseline: each agent's reward for the team's greedy joint action on each item, [N][B].
-            greedy = [greedy_rollout.rewards[:, 0, i] for i in range(self.num_agents)]
+            generate_seconds += seconds
+            greedy = [baselines[:, i] for i in range(self.num_agents)]
         t1 = time.perf_counter()
         metrics = rollout_metrics(rollout)
         advantages = []
@@ -303,7 +304,8 @@ class MAGRPOTrainer:
         """Mean reward, success rate and reward components on ``dataset`` (default: the eval dataset).
 
         Greedy unless ``do_sample`` (default ``eval_do_sample``); ``num_generations`` completions per
-        agent per item (default ``num_generations_eval``), joined aligned.
+        agent per item (default ``num_generations_eval``), joined aligned. Multi-turn: ``num_generations``
+        independent episodes per item, one answer per agent per turn.
         """
         args = self.args
         dataset = self.eval_dataset if dataset is None else dataset
@@ -317,12 +319,16 @@ class MAGRPOTrainer:
         parts: dict[str, list[torch.Tensor]] = {}
         for start in range(0, count, args.prompts_per_step):
             items = [dataset[j] for j in range(start, min(start + args.prompts_per_step, count))]
+            paths = 1
+            if args.num_turns > 1:
+                # G independent episodes per item (not a G-ary tree): each path samples one answer per turn.
+                items, paths = [item for item in items for _ in range(G)], G
             rollout = collect(
                 self.env,
                 self.team.agents,
                 items,
                 engine=self.engine,
-                num_generations=G,
+                num_generations=G // paths,
                 params=params,
                 **self._tree_settings(),
             )
