@@ -40,12 +40,46 @@ def main(argv: list[str] | None = None) -> int:
     fields = sub.add_parser("fields", help="list a trainer's config fields with their help")
     fields.add_argument("trainer", nargs="?", default="magrpo")
 
+    evaluate = sub.add_parser(
+        "eval", help="evaluate a team, one model or a pipeline on the code or writing task"
+    )
+    evaluate.add_argument("--task", required=True, help="code or writing")
+    team_source = evaluate.add_mutually_exclusive_group(required=True)
+    team_source.add_argument("--run", help="a training run folder: loads RUN/agents/agent_0, agent_1, ...")
+    team_source.add_argument(
+        "--models", nargs="+", help="model paths or hub ids, one per agent (e.g. base models)"
+    )
+    evaluate.add_argument("--mode", default="team", help="team (default), single (one model) or pipeline")
+    evaluate.add_argument("--samples", type=int, default=1, help="episodes per item, n of pass@k (default 1)")
+    evaluate.add_argument(
+        "--k", type=int, nargs="+", default=[1], help="k values of pass@k (each <= --samples)"
+    )
+    evaluate.add_argument("--split", default="eval", help="the task's split (default eval)")
+    evaluate.add_argument("--source", default="local", help="the task's data source (default local)")
+    evaluate.add_argument("--limit", type=int, default=None, help="evaluate the first LIMIT items only")
+    evaluate.add_argument("--turns", type=int, default=1, help="turns per episode (code feedback rounds)")
+    evaluate.add_argument(
+        "--temperature",
+        type=float,
+        default=None,
+        help="default: greedy for --samples 1, else 1.0; 0 is greedy",
+    )
+    evaluate.add_argument("--max-new-tokens", type=int, default=256)
+    evaluate.add_argument("--batch-size", type=int, default=8, help="items per batched generate call")
+    evaluate.add_argument("--device", default=None, help="default: cuda when available, else cpu")
+    evaluate.add_argument("--seed", type=int, default=0)
+    evaluate.add_argument(
+        "--json", dest="json_path", default=None, help="also write the result (with samples) here"
+    )
+
     args = parser.parse_args(argv)
     try:
         if args.command == "demo":
             return _demo(args)
         if args.command == "train":
             return _train(load_run_spec(args.config, args.overrides))
+        if args.command == "eval":
+            return _eval(args)
         return _fields(args.trainer)
     except ConfigError as exc:
         print(f"comarl: error: {exc}", file=sys.stderr)
@@ -108,6 +142,34 @@ def _train(spec: RunSpec) -> int:
     if trainer.eval_dataset is not None:
         metrics.update(trainer.evaluate())
     print(json.dumps({k: round(v, 4) for k, v in metrics.items() if not k.startswith("time/")}, indent=1))
+    return 0
+
+
+def _eval(args: argparse.Namespace) -> int:
+    from comarl import evaluation
+
+    sources = [str(p) for p in evaluation.run_agent_paths(args.run)] if args.run else args.models
+    # Every flag is checked before a model loads.
+    evaluation.check_request(args.task, args.mode, len(sources), args.samples, args.k, args.turns)
+    agents = evaluation.load_agents(sources, args.device)
+    result = evaluation.evaluate_task(
+        args.task,
+        agents,
+        args.mode,
+        args.samples,
+        args.k,
+        args.split,
+        source=args.source,
+        limit=args.limit,
+        num_turns=args.turns,
+        temperature=args.temperature,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+        seed=args.seed,
+    )
+    evaluation.print_table(result)
+    if args.json_path:
+        print(f"written: {evaluation.write_json(result, args.json_path)}")
     return 0
 
 

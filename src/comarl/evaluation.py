@@ -1,0 +1,428 @@
+"""Evaluate a team, one model, or a pipeline on a task: the baselines a trained team is compared with.
+
+Three modes, each playing ``num_samples`` independent episodes per item:
+
+- ``team``: the agents act as a team, as trained (each sees its own prompt, they answer in parallel).
+  On base models this is the "agents in parallel without training" baseline.
+- ``single``: one model alone on the task's ``num_agents=1`` variant.
+- ``pipeline``: agent 0 answers first; agent 1 sees that answer through the task's
+  ``pipeline_prompt(item, first_completion)``; the joint answer is scored by the team environment.
+
+Metrics: the mean team reward, the success rate, pass@k (unbiased estimator, :func:`pass_at_k`) from
+each item's ``info["success"]`` flags, and the mean of every reward component (``reward/<name>``).
+
+A task is a module with ``load_items(split, source)``, an environment constructor and
+``pipeline_prompt(item, first_completion)``; :func:`task_protocol` names them for each task.
+"""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from comarl.agents import Agent
+from comarl.config import ConfigError
+from comarl.engines import HFEngine, SamplingParams
+from comarl.envs import Env
+from comarl.rollout import Rollout, collect
+
+TASKS = ("code", "writing")
+MODES = ("team", "single", "pipeline")
+
+
+# ----------------------------------------------------------------------------- pass@k
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k (Chen et al. 2021): the chance that k of n samples, c of them correct, hold a correct one.
+
+        pass@k = 1 - C(n - c, k) / C(n, k) = 1 - prod_{i = n - c + 1}^{n} (1 - k / i)
+
+    The product form never builds the huge binomials. It is 1 when ``n - c < k`` (every choice of k
+    samples holds a correct one) and 0 when ``c = 0``. Example: n = 5, c = 2 gives pass@1 = 0.4 and
+    pass@2 = 1 - C(3, 2) / C(5, 2) = 0.7.
+    """
+    if not 0 <= c <= n:
+        raise ValueError(f"pass_at_k: c={c} correct samples must be between 0 and n={n}")
+    if not 1 <= k <= n:
+        raise ValueError(f"pass_at_k: k={k} must be between 1 and n={n} (the samples drawn per item)")
+    if n - c < k:
+        return 1.0
+    product = 1.0
+    for i in range(n - c + 1, n + 1):
+        product *= 1.0 - k / i
+    return 1.0 - product
+
+
+# ----------------------------------------------------------------------------- tasks
+
+
+@dataclass(frozen=True)
+class TaskProtocol:
+    """What evaluation uses of a task module: its items, its environment, its pipeline prompt."""
+
+    load_items: Callable[[str, str], list[dict[str, Any]]]
+    make_env: Callable[[int, int], Env]  # (num_agents, num_turns) -> environment
+    pipeline_prompt: Callable[[Mapping[str, Any], str], str]
+
+
+def task_protocol(task: str) -> TaskProtocol:
+    """The protocol of ``task`` ("code" or "writing"), the one place that maps task names to modules."""
+    if task == "writing":
+        from comarl.tasks import writing
+
+        return TaskProtocol(writing.load_items, writing.make_env, writing.pipeline_prompt)
+    if task == "code":
+        from comarl.tasks import code
+
+        def code_env(num_agents: int, num_turns: int) -> Env:
+            return code.CodeEnv(num_agents=num_agents, num_turns=num_turns)
+
+        return TaskProtocol(code.load_items, code_env, code.pipeline_prompt)
+    raise ConfigError(f"task={task!r} (--task): choose one of {list(TASKS)}")
+
+
+def check_request(
+    task: str, mode: str, num_agents: int, num_samples: int, k_values: Sequence[int], num_turns: int
+) -> None:
+    """Check an evaluation request before any model loads; errors name the argument (and its CLI flag)."""
+    if task not in TASKS:
+        raise ConfigError(f"task={task!r} (--task): choose one of {list(TASKS)}")
+    if mode not in MODES:
+        raise ConfigError(f"mode={mode!r} (--mode): choose one of {list(MODES)}")
+    if num_samples < 1:
+        raise ConfigError(f"num_samples={num_samples} (--samples): must be >= 1")
+    if num_turns < 1:
+        raise ConfigError(f"num_turns={num_turns} (--turns): must be >= 1")
+    if not k_values:
+        raise ConfigError("k_values (--k): give at least one k, e.g. --k 1")
+    for k in k_values:
+        if not 1 <= k <= num_samples:
+            raise ConfigError(
+                f"k_values (--k) has {k}: pass@{k} needs at least {k} samples per item but num_samples="
+                f"{num_samples} (--samples); raise --samples to >= {k} or lower --k"
+            )
+    if mode == "single" and num_agents != 1:
+        raise ConfigError(
+            f"mode='single' (--mode single) plays one model on the task's one-agent variant, but {num_agents} "
+            "agents were given: pass one, e.g. --models RUN/agents/agent_0 (or agent_1, whichever you compare)"
+        )
+    if mode == "team" and num_agents < 2:
+        raise ConfigError(
+            f"mode='team' (--mode team) needs every agent of the team, but {num_agents} was given: pass all of "
+            "them (--run RUN or --models A B), or use --mode single for one model"
+        )
+    if mode == "pipeline":
+        if num_agents != 2:
+            raise ConfigError(
+                f"mode='pipeline' (--mode pipeline) chains agent 0 into agent 1 and needs 2 agents, got "
+                f"{num_agents}: pass two (--run RUN or --models A B)"
+            )
+        if num_turns != 1:
+            raise ConfigError(
+                f"mode='pipeline' (--mode pipeline) plays one turn, but num_turns={num_turns} (--turns): use 1"
+            )
+
+
+def sampling_params(num_samples: int, temperature: float | None, max_new_tokens: int) -> SamplingParams:
+    """Greedy for one sample per item (unless a temperature is given) or temperature 0; else sampling.
+
+    Several samples per item default to temperature 1.0, the distribution a trained policy samples from.
+    """
+    if temperature == 0 or (temperature is None and num_samples == 1):
+        return SamplingParams(max_new_tokens=max_new_tokens, do_sample=False)
+    if temperature is not None and temperature < 0:
+        raise ConfigError(f"temperature={temperature} (--temperature): must be >= 0 (0 is greedy)")
+    return SamplingParams(
+        max_new_tokens=max_new_tokens, do_sample=True, temperature=1.0 if temperature is None else temperature
+    )
+
+
+# ----------------------------------------------------------------------------- playing episodes
+
+
+def _episode_records(rollout: Rollout, num_agents: int) -> list[dict[str, Any]]:
+    """One record per episode of a rollout, root by root and, within a root, joint action by joint action.
+
+    Single-turn rollouts have ``K`` aligned joint actions per root, one episode each. Multi-turn
+    rollouts are played with one sample per node (``K = 1``), so each root grows a chain: ``collect``
+    appends the children of turn ``t + 1`` in the order of their open parents at turn ``t``, which is
+    how a chain's nodes are found here. Reward is the team's return from the root; success and
+    components are those of the episode's last step.
+    """
+    depth = rollout.depth.tolist()
+    num_nodes, K = rollout.joint_index.shape[0], rollout.joint_index.shape[1]
+    G = len(rollout.generations[0].completions) // num_nodes
+    roots = [m for m in range(num_nodes) if depth[m] == 0]
+    chains = {root: [root] for root in roots}
+    owner = {root: root for root in roots}
+    if max(depth) > 0 and K != 1:
+        raise ValueError(
+            "_episode_records: multi-turn rollouts must be played with one sample per node (K = 1)"
+        )
+    for t in range(max(depth)):
+        parents = [m for m in range(num_nodes) if depth[m] == t and not bool(rollout.terminal[m, 0])]
+        children = [m for m in range(num_nodes) if depth[m] == t + 1]
+        for parent, child in zip(parents, children, strict=True):
+            owner[child] = owner[parent]
+            chains[owner[child]].append(child)
+
+    records = []
+    for root in roots:
+        for k in range(K):
+            turns = []
+            for m in chains[root]:
+                rows = [m * G + int(rollout.joint_index[m, k, i]) for i in range(num_agents)]
+                turns.append(
+                    {
+                        "prompts": [rollout.generations[i].prompts[rows[i]] for i in range(num_agents)],
+                        "completions": [
+                            rollout.generations[i].completions[rows[i]] for i in range(num_agents)
+                        ],
+                    }
+                )
+            last = chains[root][-1]
+            success = None if rollout.success is None else bool(rollout.success[last, k])
+            records.append(
+                {
+                    "turns": turns,
+                    "reward": float(rollout.node_returns[root, k].mean()),
+                    "success": success,
+                    "components": {name: float(v[last, k]) for name, v in rollout.components.items()},
+                }
+            )
+    return records
+
+
+def play_episodes(
+    env: Env,
+    agents: Sequence[Agent],
+    items: Sequence[Mapping[str, Any]],
+    engine: HFEngine,
+    num_samples: int,
+    params: SamplingParams,
+    num_turns: int,
+) -> list[dict[str, Any]]:
+    """``num_samples`` episodes per item, every agent acting on its own prompt (the team and single modes).
+
+    Returns one record per episode, item-major: ``turns`` (per turn, each agent's prompt and
+    completion), ``reward`` (the team's return), ``success`` and ``components`` (of the last step).
+    """
+    if num_turns == 1:
+        rollout = collect(
+            env,
+            agents,
+            items,
+            engine=engine,
+            num_generations=num_samples,
+            params=params,
+            joint_mode="aligned",
+        )
+    else:  # independent episodes, not a tree: each item repeated, one answer per agent per turn
+        repeated = [item for item in items for _ in range(num_samples)]
+        rollout = collect(
+            env, agents, repeated, engine=engine, num_generations=1, params=params, num_turns=num_turns
+        )
+    return _episode_records(rollout, len(agents))
+
+
+def play_pipeline(
+    env: Env,
+    agents: Sequence[Agent],
+    items: Sequence[Mapping[str, Any]],
+    engine: HFEngine,
+    num_samples: int,
+    params: SamplingParams,
+    pipeline_prompt: Callable[[Mapping[str, Any], str], str],
+) -> list[dict[str, Any]]:
+    """Agent 0 answers ``num_samples`` times per item; agent 1 answers each of those once, having read it.
+
+    Agent 1's prompt is ``pipeline_prompt(item, agent 0's completion)``; the team environment
+    ``env`` scores the joint answer. Records as in :func:`play_episodes`.
+    """
+    episodes = []
+    for item in items:
+        episode = copy.copy(env)
+        observations = episode.reset(item)
+        episodes.append((episode, observations))
+    first = engine.generate(agents[0], [obs[0] for _, obs in episodes], num_samples, params)
+    second_prompts = [
+        pipeline_prompt(item, first.completions[b * num_samples + j])
+        for b, item in enumerate(items)
+        for j in range(num_samples)
+    ]
+    second = engine.generate(agents[1], second_prompts, 1, params)
+    rows = range(len(items) * num_samples)
+    joint = [[first.completions[r], second.completions[r]] for r in rows]
+    results = env.step_many(
+        [ep for ep, _ in episodes],
+        [joint[b * num_samples : (b + 1) * num_samples] for b in range(len(items))],
+    )
+    records = []
+    for b, row in enumerate(results):
+        for j, result in enumerate(row):
+            r = b * num_samples + j
+            records.append(
+                {
+                    "turns": [{"prompts": [first.prompts[r], second_prompts[r]], "completions": joint[r]}],
+                    "reward": sum(result.rewards) / len(result.rewards),
+                    "success": None if "success" not in result.info else bool(result.info["success"]),
+                    "components": dict(result.components),
+                }
+            )
+    return records
+
+
+# ----------------------------------------------------------------------------- metrics
+
+
+def summarize(
+    records: Sequence[Mapping[str, Any]], num_samples: int, k_values: Sequence[int]
+) -> dict[str, float]:
+    """Metrics of item-major records (``num_samples`` consecutive records per item).
+
+    ``reward``: mean team reward. ``success``: mean success. ``pass@k``: mean over items of
+    :func:`pass_at_k` (n = ``num_samples``, c = the item's successes). ``reward/<name>``: mean of
+    each reward component (NaN values, from steps that did not report it, are skipped).
+    """
+    metrics = {"reward": sum(r["reward"] for r in records) / len(records)}
+    flags = [r["success"] for r in records]
+    if all(flag is not None for flag in flags):
+        metrics["success"] = sum(flags) / len(flags)
+        per_item = [sum(flags[s : s + num_samples]) for s in range(0, len(flags), num_samples)]
+        for k in k_values:
+            metrics[f"pass@{k}"] = sum(pass_at_k(num_samples, c, k) for c in per_item) / len(per_item)
+    names = sorted({name for r in records for name in r["components"]})
+    for name in names:
+        values = [
+            r["components"][name] for r in records if not math.isnan(r["components"].get(name, math.nan))
+        ]
+        if values:
+            metrics[f"reward/{name}"] = sum(values) / len(values)
+    return metrics
+
+
+# ----------------------------------------------------------------------------- the entry point
+
+
+def evaluate_task(
+    task: str,
+    agents: Sequence[Agent],
+    mode: str = "team",
+    num_samples: int = 1,
+    k_values: Sequence[int] = (1,),
+    split: str = "eval",
+    *,
+    source: str = "local",
+    limit: int | None = None,
+    num_turns: int = 1,
+    temperature: float | None = None,
+    max_new_tokens: int = 256,
+    batch_size: int = 8,
+    seed: int = 0,
+) -> dict[str, Any]:
+    """Play ``task`` in ``mode`` with ``agents`` (loaded :class:`Agent` objects), ``num_samples`` episodes per item.
+
+    Items are ``load_items(split, source)`` of the task, the first ``limit`` of them when given,
+    ``batch_size`` items per batched generate call. Returns a JSON-ready dict: the request
+    (``task``, ``mode``, ``split``, ``source``, ``num_items``, ``num_samples``, ``num_turns``,
+    ``temperature`` (None: greedy), ``agents``), ``metrics`` (see :func:`summarize`) and
+    ``samples``: one record per episode with ``item``, ``id``, ``sample``, ``turns`` (each turn's
+    prompts and completions, per agent), ``reward``, ``success``, ``components``.
+    """
+    check_request(task, mode, len(agents), num_samples, k_values, num_turns)
+    if batch_size < 1:
+        raise ConfigError(f"batch_size={batch_size} (--batch-size): must be >= 1")
+    params = sampling_params(num_samples, temperature, max_new_tokens)
+    protocol = task_protocol(task)
+    items = protocol.load_items(split, source)
+    if limit is not None:
+        items = items[:limit]
+    if not items:
+        raise ConfigError(
+            f"no items to evaluate: task {task!r}, split {split!r}, source {source!r}, limit {limit}"
+        )
+    env = protocol.make_env(1 if mode == "single" else len(agents), num_turns)
+    engine = HFEngine()
+    torch.manual_seed(seed)
+
+    records: list[dict[str, Any]] = []
+    for start in range(0, len(items), batch_size):
+        batch = items[start : start + batch_size]
+        if mode == "pipeline":
+            played = play_pipeline(env, agents, batch, engine, num_samples, params, protocol.pipeline_prompt)
+        else:
+            played = play_episodes(env, agents, batch, engine, num_samples, params, num_turns)
+        for e, record in enumerate(played):
+            index = start + e // num_samples
+            records.append({"item": index, "id": items[index].get("id"), "sample": e % num_samples, **record})
+
+    return {
+        "task": task,
+        "mode": mode,
+        "split": split,
+        "source": source,
+        "num_items": len(items),
+        "num_samples": num_samples,
+        "num_turns": num_turns,
+        "temperature": params.temperature if params.do_sample else None,
+        "agents": [agent.source for agent in agents],
+        "metrics": summarize(records, num_samples, k_values),
+        "samples": records,
+    }
+
+
+# ----------------------------------------------------------------------------- loading and output
+
+
+def run_agent_paths(run_dir: str | Path) -> list[Path]:
+    """The agents a training run saved: ``run_dir/agents/agent_0``, ``agent_1``, ... (consecutive)."""
+    folder = Path(run_dir) / "agents"
+    paths = []
+    while (folder / f"agent_{len(paths)}").is_dir():
+        paths.append(folder / f"agent_{len(paths)}")
+    if not paths:
+        raise ConfigError(
+            f"--run {run_dir}: no {folder / 'agent_0'}; give the output_dir of a training run, or --models"
+        )
+    return paths
+
+
+def load_agents(sources: Sequence[str | Path], device: str | None = None) -> list[Agent]:
+    """Load each model (path or hub id) as an :class:`Agent` on ``device`` (default: cuda when available)."""
+    device = device or ("cuda" if torch.cuda.is_available() else "cpu")
+    return [Agent.from_pretrained(str(source), device=device) for source in sources]
+
+
+def write_json(result: Mapping[str, Any], path: str | Path) -> Path:
+    """Write an :func:`evaluate_task` result as indented JSON, creating parent folders."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(result, indent=2))
+    return path
+
+
+def print_table(result: Mapping[str, Any]) -> None:
+    """The metrics of an :func:`evaluate_task` result as a terminal table."""
+    from rich.console import Console
+    from rich.table import Table
+
+    decoding = "greedy" if result["temperature"] is None else f"temperature {result['temperature']:g}"
+    table = Table(
+        title=f"{result['task']} · mode {result['mode']} · {result['num_items']} items x {result['num_samples']} "
+        f"samples · {decoding}"
+    )
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for name, value in result["metrics"].items():
+        table.add_row(name, f"{value:.4f}")
+    console = Console()
+    console.print(table)
+    console.print("agents: " + ", ".join(str(a) for a in result["agents"]))

@@ -1,0 +1,257 @@
+"""Evaluation with baselines: pass@k by hand, the three modes wired on a tiny offline writing team, JSON, CLI."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import pytest
+
+from comarl.cli import main
+from comarl.config import ConfigError
+from comarl.engines import HFEngine, SamplingParams
+from comarl.envs import FunctionEnv
+from comarl.evaluation import (
+    check_request,
+    evaluate_task,
+    load_agents,
+    pass_at_k,
+    play_episodes,
+    run_agent_paths,
+    sampling_params,
+    summarize,
+    write_json,
+)
+from comarl.tasks import writing
+
+# ----------------------------------------------------------------------------- pure parts
+
+
+def test_pass_at_k_by_hand():
+    assert pass_at_k(5, 2, 1) == pytest.approx(0.4)  # c / n
+    assert pass_at_k(5, 2, 2) == pytest.approx(0.7)  # 1 - C(3, 2) / C(5, 2) = 1 - 3/10
+    assert pass_at_k(5, 0, 1) == 0.0 and pass_at_k(5, 0, 5) == 0.0
+    assert pass_at_k(5, 4, 2) == 1.0  # n - c = 1 < k: every pair holds a pass
+    assert pass_at_k(1, 1, 1) == 1.0
+
+
+def test_pass_at_k_matches_the_binomial_formula():
+    for n in range(1, 9):
+        for c in range(n + 1):
+            for k in range(1, n + 1):
+                expected = 1 - math.comb(n - c, k) / math.comb(n, k)
+                assert pass_at_k(n, c, k) == pytest.approx(expected, abs=1e-12), (n, c, k)
+
+
+def test_pass_at_k_rejects_impossible_counts():
+    with pytest.raises(ValueError, match="c=6 correct samples must be between 0 and n=5"):
+        pass_at_k(5, 6, 1)
+    with pytest.raises(ValueError, match="k=6 must be between 1 and n=5"):
+        pass_at_k(5, 1, 6)
+
+
+def test_summarize_by_hand():
+    def record(success, reward, total):
+        return {"success": success, "reward": reward, "components": {"total": total}}
+
+    # two items x 3 samples: item 0 passes once, item 1 never; one record lacks the component (NaN)
+    records = [
+        record(True, 1.0, 0.5),
+        record(False, 0.0, 0.1),
+        record(False, 0.5, math.nan),
+        record(False, 0.5, 0.3),
+        record(False, 0.0, 0.1),
+        record(False, 0.0, 0.2),
+    ]
+    metrics = summarize(records, num_samples=3, k_values=[1, 2])
+    assert metrics["reward"] == pytest.approx(2.0 / 6)
+    assert metrics["success"] == pytest.approx(1 / 6)
+    assert metrics["pass@1"] == pytest.approx((1 / 3 + 0) / 2)
+    assert metrics["pass@2"] == pytest.approx((1 - 1 / 3) / 2)  # item 0: 1 - C(2,2)/C(3,2)
+    assert metrics["reward/total"] == pytest.approx((0.5 + 0.1 + 0.3 + 0.1 + 0.2) / 5)
+    no_flags = summarize([{"success": None, "reward": 1.0, "components": {}}], 1, [1])
+    assert no_flags == {"reward": 1.0}
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        (dict(mode="single", num_agents=2), r"--mode single\) plays one model .* but 2 agents were given"),
+        (dict(mode="team", num_agents=1), r"--mode team\) needs every agent of the team, but 1 was given"),
+        (dict(mode="pipeline", num_agents=3), r"--mode pipeline\) chains agent 0 into agent 1 and needs 2"),
+        (dict(mode="pipeline", num_turns=2), r"num_turns=2 \(--turns\): use 1"),
+        (dict(k_values=[1, 4], num_samples=2), r"pass@4 needs at least 4 samples .* raise --samples to >= 4"),
+        (dict(mode="relay"), r"mode='relay' \(--mode\): choose one of \['team', 'single', 'pipeline'\]"),
+        (dict(task="math"), r"task='math' \(--task\)"),
+        (dict(num_samples=0, k_values=[]), r"num_samples=0 \(--samples\): must be >= 1"),
+    ],
+)
+def test_requests_are_checked_before_loading(kwargs, message):
+    request = dict(task="writing", mode="team", num_agents=2, num_samples=1, k_values=[1], num_turns=1)
+    request.update(kwargs)
+    with pytest.raises(ConfigError, match=message):
+        check_request(**request)
+
+
+def test_sampling_is_greedy_for_one_sample_unless_told():
+    assert sampling_params(1, None, 8) == SamplingParams(max_new_tokens=8, do_sample=False)
+    assert sampling_params(4, None, 8) == SamplingParams(max_new_tokens=8, do_sample=True, temperature=1.0)
+    assert sampling_params(1, 0.7, 8) == SamplingParams(max_new_tokens=8, do_sample=True, temperature=0.7)
+    assert sampling_params(4, 0, 8).do_sample is False
+    with pytest.raises(ConfigError, match=r"temperature=-1.0 \(--temperature\): must be >= 0"):
+        sampling_params(2, -1.0, 8)
+
+
+# ----------------------------------------------------------------------------- the modes on tiny models
+
+
+@pytest.fixture(scope="module")
+def team_paths(tmp_path_factory):
+    return [str(p) for p in writing.build_team(tmp_path_factory.mktemp("writing-team"))]
+
+
+@pytest.fixture(scope="module")
+def team(team_paths):
+    return load_agents(team_paths, "cpu")
+
+
+def _run(agents, mode, **kwargs):
+    settings = dict(num_samples=2, k_values=[1, 2], limit=2, max_new_tokens=5, temperature=1.0)
+    settings.update(kwargs)
+    return evaluate_task("writing", agents, mode, **settings)
+
+
+def test_team_mode_plays_each_agent_on_its_own_prompt(team, team_paths):
+    result = _run(team, "team")
+    items = writing.load_items("eval")[:2]
+    assert result["num_items"] == 2 and result["agents"] == team_paths and result["temperature"] == 1.0
+    assert [(s["item"], s["sample"], s["id"]) for s in result["samples"]] == [
+        (0, 0, "local-3"),
+        (0, 1, "local-3"),
+        (1, 0, "local-7"),
+        (1, 1, "local-7"),
+    ]
+    for sample in result["samples"]:
+        (turn,) = sample["turns"]
+        item = items[sample["item"]]
+        assert turn["prompts"] == [writing.agent_prompt(item, 0), writing.agent_prompt(item, 1)]
+        components, success = writing.score_parts(*turn["completions"], writing.STYLES["tldr"])
+        assert sample["components"] == pytest.approx(components) and sample["success"] == success
+        assert sample["reward"] == pytest.approx(components["total"])
+    metrics = result["metrics"]
+    assert set(metrics) == {"reward", "success", "pass@1", "pass@2"} | {
+        f"reward/{n}" for n in writing.COMPONENTS
+    }
+    assert metrics["reward"] == pytest.approx(metrics["reward/total"])
+
+
+def test_single_mode_splits_one_models_answer(team):
+    result = _run(team[:1], "single", num_samples=1, k_values=[1], temperature=None)
+    assert result["temperature"] is None  # greedy
+    for sample in result["samples"]:
+        (turn,) = sample["turns"]
+        assert turn["prompts"] == [writing.single_prompt(writing.load_items("eval")[sample["item"]])]
+        components, _ = writing.score_parts(
+            *writing.split_parts(turn["completions"][0]), writing.STYLES["tldr"]
+        )
+        assert sample["components"] == pytest.approx(components)
+
+
+def test_pipeline_mode_shows_agent_0s_answer_to_agent_1(team):
+    result = _run(team, "pipeline")
+    items = writing.load_items("eval")[:2]
+    assert len(result["samples"]) == 4
+    for sample in result["samples"]:
+        (turn,) = sample["turns"]
+        first, second = turn["completions"]
+        item = items[sample["item"]]
+        assert turn["prompts"] == [writing.agent_prompt(item, 0), writing.pipeline_prompt(item, first)]
+        assert first.strip() in turn["prompts"][1]
+        components, _ = writing.score_parts(first, second, writing.STYLES["tldr"])
+        assert sample["components"] == pytest.approx(components)
+
+
+def test_multi_turn_episodes_follow_their_own_chain(team):
+    """n independent episodes per item; each episode's later prompts come from its own earlier answers."""
+
+    def words_of_first(first, second):
+        return [float(len(a.split())) for a in first]
+
+    def again(item, completions, history):
+        return None if item["stop"] else [f"again {completions[0]}", f"again {completions[1]}"]
+
+    env = FunctionEnv(
+        words_of_first, lambda item: item["prompt"], 2, success_threshold=0.0, transition=again, num_turns=3
+    )
+    items = [{"prompt": "the post", "stop": False}, {"prompt": "the summary", "stop": True}]
+    params = SamplingParams(max_new_tokens=4, do_sample=True)
+    records = play_episodes(env, team, items, HFEngine(), 2, params, num_turns=3)
+    assert [len(r["turns"]) for r in records] == [3, 3, 1, 1]
+    for r in records:
+        for before, after in zip(r["turns"], r["turns"][1:]):
+            assert after["prompts"] == [f"again {c}" for c in before["completions"]]
+        assert r["reward"] == pytest.approx(sum(len(t["completions"][0].split()) for t in r["turns"]))
+        assert r["components"] == {"words_of_first": len(r["turns"][-1]["completions"][0].split())}
+        assert r["success"] is True
+
+
+# ----------------------------------------------------------------------------- JSON and the CLI
+
+
+def test_json_has_the_request_metrics_and_samples(team, tmp_path):
+    path = write_json(
+        _run(team, "team", num_samples=1, k_values=[1], limit=1), tmp_path / "out" / "eval.json"
+    )
+    data = json.loads(path.read_text())
+    assert set(data) == {
+        "task",
+        "mode",
+        "split",
+        "source",
+        "num_items",
+        "num_samples",
+        "num_turns",
+        "temperature",
+        "agents",
+        "metrics",
+        "samples",
+    }
+    assert set(data["samples"][0]) == {"item", "id", "sample", "turns", "reward", "success", "components"}
+
+
+def test_cli_eval_on_a_run_folder_and_on_models(team_paths, tmp_path, capsys):
+    run = tmp_path / "run"
+    for i, path in enumerate(team_paths):
+        (run / "agents").mkdir(parents=True, exist_ok=True)
+        (run / "agents" / f"agent_{i}").symlink_to(path)
+    assert run_agent_paths(run) == [run / "agents" / "agent_0", run / "agents" / "agent_1"]
+    out = tmp_path / "eval.json"
+    argv = ["eval", "--task", "writing", "--run", str(run), "--samples", "2", "--k", "1", "2"]
+    assert main([*argv, "--limit", "1", "--max-new-tokens", "3", "--json", str(out)]) == 0
+    printed = capsys.readouterr().out
+    assert "pass@2" in printed and "reward/non_redundancy" in printed
+    data = json.loads(out.read_text())
+    assert data["mode"] == "team" and data["num_samples"] == 2 and len(data["samples"]) == 2
+    assert data["agents"] == [str(run / "agents" / "agent_0"), str(run / "agents" / "agent_1")]
+
+    single = ["eval", "--task", "writing", "--models", team_paths[1], "--mode", "single", "--limit", "1"]
+    assert main([*single, "--max-new-tokens", "3"]) == 0
+    assert "mode single" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize(
+    ("argv", "message"),
+    [
+        (["--mode", "single"], "--mode single) plays one model"),
+        (["--samples", "2", "--k", "5"], "pass@5 needs at least 5 samples"),
+    ],
+)
+def test_cli_eval_errors_are_one_line_before_loading(team_paths, capsys, argv, message):
+    assert main(["eval", "--task", "writing", "--models", *team_paths, *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("comarl: error: ") and message in err
+
+
+def test_cli_eval_run_folder_without_agents(tmp_path, capsys):
+    assert main(["eval", "--task", "writing", "--run", str(tmp_path)]) == 2
+    assert f"--run {tmp_path}: no {tmp_path / 'agents' / 'agent_0'}" in capsys.readouterr().err
