@@ -1,0 +1,342 @@
+"""Hostile programs in the sandbox: each is contained, reported with the right reason, and the test process lives.
+
+Where the outcome depends on what this machine allows (namespaces, running as root), the test
+asserts the behaviour that ``detect_isolation()`` reports, so the report itself is checked.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import pytest
+
+import comarl.sandbox as sandbox
+from comarl.sandbox import Isolation, RunResult, SandboxLimits, SandboxPool, detect_isolation, run_python
+
+pytestmark = pytest.mark.skipif(os.name != "posix", reason="comarl.sandbox supports POSIX systems only")
+
+FAST = SandboxLimits(timeout_s=5.0, cpu_s=5.0, memory_mb=256)
+
+
+def fast(**changes: object) -> SandboxLimits:
+    return SandboxLimits(**{**FAST.__dict__, **changes})
+
+
+def live_members(group: int) -> list[int]:
+    """Processes of process group ``group`` that are not zombies (dead, waiting for init to reap them)."""
+    members = []
+    for entry in os.listdir("/proc"):
+        if entry.isdigit():
+            try:
+                stat = Path(f"/proc/{entry}/stat").read_text()
+            except OSError:
+                continue
+            state, _ppid, pgrp = stat[stat.rindex(")") + 2 :].split()[:3]
+            if int(pgrp) == group and state != "Z":
+                members.append(int(entry))
+    return members
+
+
+@pytest.fixture
+def world_writable():  # noqa: ANN201
+    """A directory anyone may write, outside pytest's private (0700) tree, removed afterwards."""
+    path = Path(tempfile.mkdtemp(prefix="comarl-test-shared-"))
+    path.chmod(0o777)
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+class RecordingPopen(subprocess.Popen):
+    """subprocess.Popen that remembers the pid of every process it starts (the sandbox's group leaders)."""
+
+    pids: list[int] = []
+
+    def __init__(self, *args, **kwargs) -> None:  # noqa: ANN002, ANN003
+        super().__init__(*args, **kwargs)
+        RecordingPopen.pids.append(self.pid)
+
+
+# ---------------------------------------------------------------------------- plain runs
+
+
+def test_ok_run_returns_output_and_reads_stdin():
+    result = run_python(
+        "import sys\nprint(sys.stdin.read().upper())\nprint('err', file=sys.stderr)", FAST, "abc"
+    )
+    assert (result.ok, result.reason, result.returncode) == (True, "ok", 0)
+    assert result.stdout == "ABC\n" and result.stderr == "err\n"
+    assert result.isolation == detect_isolation().describe()
+
+
+def test_runs_in_isolated_mode_in_a_fresh_directory_that_is_removed():
+    result = run_python(
+        "import os, sys\nprint(sys.flags.isolated, os.getcwd(), sorted(os.listdir('.')))", FAST
+    )
+    isolated, cwd, listing = result.stdout.split(" ", 2)
+    assert isolated == "1" and Path(cwd).name.startswith("comarl-sandbox-")
+    assert listing.strip() == "['program.py']"
+    assert not Path(cwd).exists()
+
+
+def test_exit_status_is_reported_but_os_exit_0_is_a_success():
+    """sys.exit(3) is a failure; os._exit(0) before any test ran is exit 0, which is why the code task decides
+    success by a marker printed at the very end, never by the exit status alone."""
+    three = run_python("import sys\nsys.exit(3)", FAST)
+    assert (three.ok, three.reason, three.returncode) == (False, "exit_code", 3)
+    early = run_python("import os\nos._exit(0)\nassert False", FAST)
+    assert (early.ok, early.reason, early.returncode) == (True, "ok", 0)
+    raised = run_python("raise ValueError('bad input 7')", FAST)
+    assert (raised.reason, raised.returncode) == ("exit_code", 1)
+    assert raised.stderr.strip().splitlines()[-1] == "ValueError: bad input 7"
+
+
+def test_limits_are_validated_with_the_field_named():
+    with pytest.raises(ValueError, match=r"SandboxLimits.timeout_s=0: give a positive number of seconds"):
+        SandboxLimits(timeout_s=0)
+    with pytest.raises(ValueError, match=r"SandboxLimits.memory_mb=8: give an integer >= 64"):
+        SandboxLimits(memory_mb=8)
+    with pytest.raises(ValueError, match=r"SandboxPool: max_workers=0"):
+        SandboxPool(max_workers=0)
+
+
+# ---------------------------------------------------------------------------- hostile programs
+
+
+def test_infinite_loop_times_out_in_about_the_timeout():
+    result = run_python("while True:\n    pass", fast(timeout_s=1.0, cpu_s=10.0))
+    assert (result.ok, result.reason, result.returncode) == (False, "timeout", None)
+    assert 1.0 <= result.seconds < 1.8
+
+
+def test_cpu_time_limit_ends_a_busy_program():
+    result = run_python("while True:\n    pass", fast(timeout_s=10.0, cpu_s=1.0))
+    assert (result.reason, result.returncode) == ("cpu_time", -signal.SIGXCPU)
+    assert result.seconds < 4.0  # 1 s of CPU; more wall time only when the machine is busy
+
+
+def test_memory_bomb_is_stopped_by_the_address_space_limit():
+    result = run_python("blocks = []\nwhile True:\n    blocks.append(bytearray(10**7))", fast(memory_mb=128))
+    assert (result.ok, result.reason, result.returncode) == (False, "memory", 1)
+    assert result.stderr.strip().splitlines()[-1] == "MemoryError"
+
+
+def test_huge_output_is_capped_and_ends_the_run():
+    result = run_python("while True:\n    print('x' * 999)", fast(output_bytes=10_000))
+    assert (result.ok, result.reason, result.returncode) == (False, "output_limit", None)
+    assert result.stdout == ("x" * 999 + "\n") * 10 and len(result.stdout) == 10_000
+    assert result.seconds < 2.0
+
+
+def test_file_size_limit():
+    result = run_python("open('big', 'wb').write(b'0' * (3 * 2**20))", fast(file_size_mb=1))
+    assert (result.reason, result.returncode) == ("file_size", 1)
+    assert "[Errno 27] File too large" in result.stderr
+
+
+def test_fork_bomb_is_contained_and_every_process_is_dead_afterwards(monkeypatch):
+    """A fork bomb under a low process limit and a short timeout; then no process of its group remains.
+
+    The bomb sleeps when a fork fails, so it does not burn this shared machine's CPUs.
+    """
+    if detect_isolation().processes == "not enforced":
+        pytest.skip(
+            "RLIMIT_NPROC is not enforced here (root with no interpreter usable by 'nobody', or not Linux)"
+        )
+    bomb = (
+        "import os, sys, time\n"
+        "told = False\n"
+        "while True:\n"
+        "    try:\n"
+        "        os.fork()\n"
+        "    except OSError:\n"
+        "        if not told:\n"
+        "            print('limit reached', flush=True)\n"
+        "            told = True\n"
+        "        time.sleep(0.01)\n"
+    )
+    RecordingPopen.pids = []
+    monkeypatch.setattr(subprocess, "Popen", RecordingPopen)
+    result = run_python(bomb, fast(timeout_s=1.0, processes=8))
+    assert (result.ok, result.reason) == (False, "timeout")
+    assert "limit reached" in result.stdout  # forks really failed at the limit
+    assert result.seconds < 2.0
+    (leader,) = RecordingPopen.pids
+    deadline = time.perf_counter() + 3.0  # SIGKILL lands asynchronously; give the kernel a moment
+    while live_members(leader) and time.perf_counter() < deadline:
+        time.sleep(0.02)
+    assert live_members(leader) == []
+
+
+def test_a_process_that_leaves_the_group_dies_with_the_pid_namespace(world_writable):
+    """A grandchild that calls setsid() escapes killpg; a PID namespace still takes it down with the run."""
+    shared = world_writable
+    escapee = (
+        "import os, time\n"
+        "if os.fork() == 0:\n"
+        "    os.setsid()\n"
+        f"    open({str(shared / 'started')!r}, 'w').write('started')\n"
+        "    time.sleep(1.0)\n"
+        f"    open({str(shared / 'escaped')!r}, 'w').write('still alive')\n"
+        "    os._exit(0)\n"
+        "time.sleep(0.2)\n"
+    )
+    result = run_python(escapee, FAST)
+    assert result.reason == "ok"
+    assert (shared / "started").read_text() == "started"  # it could write there
+    time.sleep(1.5)
+    if "pid" in detect_isolation().namespaces:
+        assert not (shared / "escaped").exists()
+    else:  # documented: without a PID namespace a process that leaves the group outlives the run
+        assert (shared / "escaped").read_text() == "still alive"
+
+
+def test_writing_outside_its_directory(world_writable):
+    """The fresh working directory is not a jail: a world-writable path is writable from the sandbox.
+
+    A path only the trainer's user may write is protected only when the program runs as another user
+    (the trainer is root and runs programs as 'nobody'); stronger isolation needs a container.
+    """
+    shared = world_writable
+    private = world_writable / "private"  # reachable, but writable by the trainer's user only
+    private.mkdir()
+    private.chmod(0o755)
+    program = (
+        "for path in {paths!r}:\n"
+        "    try:\n"
+        "        open(path, 'w').write('written by the sandbox')\n"
+        "        print('wrote', flush=True)\n"
+        "    except OSError as exc:\n"
+        "        print(type(exc).__name__, flush=True)\n"
+    ).format(paths=[str(shared / "a.txt"), str(private / "b.txt")])
+    result = run_python(program, FAST)
+    assert result.reason == "ok"
+    shared_line, private_line = result.stdout.splitlines()
+    assert shared_line == "wrote" and (shared / "a.txt").read_text() == "written by the sandbox"
+    if detect_isolation().uid is not None:
+        assert private_line == "PermissionError" and not (private / "b.txt").exists()
+    else:
+        assert private_line == "wrote"
+
+
+def test_the_parents_environment_does_not_leak(monkeypatch):
+    monkeypatch.setenv("COMARL_TEST_SECRET", "hunter2-token")
+    program = (
+        "import os\n"
+        "print(sorted(os.environ))\n"
+        "print('hunter2' in str(os.environ))\n"
+        "try:\n"
+        f"    print('hunter2' in open('/proc/{os.getpid()}/environ').read())\n"
+        "except OSError as exc:\n"
+        "    print(type(exc).__name__)\n"
+    )
+    result = run_python(program, FAST)
+    names, in_environ, via_proc = result.stdout.splitlines()
+    assert names == "['HOME', 'LANG', 'LC_ALL', 'PATH', 'TMPDIR']"
+    assert in_environ == "False"
+    iso = detect_isolation()
+    if "mount" in iso.namespaces:
+        assert via_proc == "FileNotFoundError"  # a private /proc: the trainer's pid does not exist there
+    elif iso.uid is not None:
+        assert via_proc == "PermissionError"
+    else:  # documented: a program of the same user can read the trainer's /proc/<pid>/environ
+        assert via_proc == "True"
+
+
+def test_killing_its_parent_does_not_kill_the_trainer():
+    """The program's parent is the sandbox's launcher, not this process: killing it ends the run, not us."""
+    me = os.getpid()
+    program = "import os, time\nprint(os.getppid(), flush=True)\nos.kill(os.getppid(), 9)\ntime.sleep(0.3)\nprint('after')"
+    result = run_python(program, FAST)
+    assert os.getpid() == me and run_python("print(1)", FAST).stdout == "1\n"  # this process still works
+    parent = int(result.stdout.splitlines()[0])
+    assert parent != me
+    if "pid" in detect_isolation().namespaces:
+        # the launcher is the namespace's init, which ignores signals from inside it
+        assert (parent, result.reason, result.stdout.splitlines()[1]) == (1, "ok", "after")
+    else:
+        assert (result.reason, result.returncode) == ("killed", -signal.SIGKILL)
+
+
+def test_killing_the_trainer_by_pid_fails():
+    iso = detect_isolation()
+    if "pid" not in iso.namespaces and iso.uid is None:
+        pytest.skip("neither a PID namespace nor another user here: the program could kill this test process")
+    result = run_python(f"import os\nos.kill({os.getpid()}, 9)", FAST)
+    expected = "ProcessLookupError" if "pid" in iso.namespaces else "PermissionError"
+    assert result.reason == "exit_code" and result.stderr.strip().splitlines()[-1].startswith(expected)
+
+
+def test_network_is_off_unless_allowed():
+    server = socket.socket()
+    server.bind(("127.0.0.1", 0))
+    server.listen(4)
+    server.setblocking(False)
+    port = server.getsockname()[1]
+    program = (
+        "import socket\n"
+        "try:\n"
+        f"    socket.create_connection(('127.0.0.1', {port}), timeout=1).close()\n"
+        "    print('connected')\n"
+        "except OSError as exc:\n"
+        "    print(type(exc).__name__)\n"
+    )
+    try:
+        closed = run_python(program, fast(network=False))
+        opened = run_python(program, fast(network=True))
+        accepted = 0
+        while True:
+            try:
+                server.accept()[0].close()
+                accepted += 1
+            except BlockingIOError:
+                break
+    finally:
+        server.close()
+    assert opened.stdout == "connected\n" and "net" not in detect_isolation(network=True).namespaces
+    if "net" in detect_isolation().namespaces:
+        assert closed.stdout != "connected\n" and accepted == 1  # only the network=True run got through
+    else:  # documented: no way to drop the network for an unprivileged process here
+        assert closed.stdout == "connected\n" and accepted == 2
+
+
+def test_without_namespaces_the_launcher_still_shields_the_trainer(monkeypatch):
+    """The plain fallback (rlimits + session + launcher, no unshare) on any POSIX machine."""
+    iso = detect_isolation()
+    fallback = Isolation(
+        (), (), iso.uid, iso.python, "per-user" if sys.platform.startswith("linux") else "not enforced"
+    )
+    monkeypatch.setitem(sandbox._detected, False, fallback)
+    ok = run_python("print('fine')", FAST)
+    assert (ok.reason, ok.stdout, ok.isolation) == ("ok", "fine\n", fallback.describe())
+    assert fallback.describe().startswith("namespaces=none ")
+    killer = run_python("import os, time\nos.kill(os.getppid(), 9)\ntime.sleep(5)", FAST)
+    assert (killer.reason, killer.returncode) == ("killed", -signal.SIGKILL)
+    assert killer.seconds < 2.0  # the orphaned program was killed with its group, not left to sleep
+
+
+# ---------------------------------------------------------------------------- the pool
+
+
+def test_pool_runs_concurrently_and_keeps_input_order():
+    sources = [f"import time\ntime.sleep(0.5)\nprint({i})" for i in range(8)]
+    start = time.perf_counter()
+    with SandboxPool(max_workers=4, limits=FAST) as pool:
+        results = pool.run_many(sources)
+        assert pool.runs == 8
+    elapsed = time.perf_counter() - start
+    assert [r.stdout for r in results] == [f"{i}\n" for i in range(8)]
+    assert all(isinstance(r, RunResult) and r.ok for r in results)
+    assert elapsed < 2.5  # one after another would take more than 4 s
+
+
+def test_pool_default_workers_is_the_core_count():
+    with SandboxPool() as pool:
+        assert pool.max_workers == os.cpu_count()
