@@ -79,11 +79,12 @@ def test_summarize_by_hand():
         (dict(mode="single", num_agents=2), r"--mode single\) plays one model .* but 2 agents were given"),
         (dict(mode="team", num_agents=1), r"--mode team\) needs every agent of the team, but 1 was given"),
         (dict(mode="pipeline", num_agents=3), r"--mode pipeline\) chains agent 0 into agent 1 and needs 2"),
-        (dict(mode="pipeline", num_turns=2), r"num_turns=2 \(--turns\): use 1"),
+        (dict(task="code", mode="pipeline", num_turns=2), r"num_turns=2 \(--turns\): use 1"),
         (dict(k_values=[1, 4], num_samples=2), r"pass@4 needs at least 4 samples .* raise --samples to >= 4"),
         (dict(mode="relay"), r"mode='relay' \(--mode\): choose one of \['team', 'single', 'pipeline'\]"),
         (dict(task="math"), r"task='math' \(--task\)"),
         (dict(num_samples=0, k_values=[]), r"num_samples=0 \(--samples\): must be >= 1"),
+        (dict(num_turns=3), r"num_turns=3 \(--turns\): the writing task is single-turn; use --turns 1"),
     ],
 )
 def test_requests_are_checked_before_loading(kwargs, message):

@@ -101,6 +101,8 @@ def check_request(
         raise ConfigError(f"num_samples={num_samples} (--samples): must be >= 1")
     if num_turns < 1:
         raise ConfigError(f"num_turns={num_turns} (--turns): must be >= 1")
+    if task == "writing" and num_turns != 1:
+        raise ConfigError(f"num_turns={num_turns} (--turns): the writing task is single-turn; use --turns 1")
     if not k_values:
         raise ConfigError("k_values (--k): give at least one k, e.g. --k 1")
     for k in k_values:
