@@ -253,6 +253,12 @@ def test_cli_eval_errors_are_one_line_before_loading(team_paths, capsys, argv, m
     assert err.count("\n") == 1 and err.startswith("comarl: error: ") and message in err
 
 
+def test_cli_eval_bad_split_names_the_flags(team_paths, capsys):
+    assert main(["eval", "--task", "writing", "--models", *team_paths, "--split", "test"]) == 2
+    err = capsys.readouterr().err
+    assert "--split test / --source local: load_items: split='test'; choose 'train' or 'eval'" in err
+
+
 def test_cli_eval_run_folder_without_agents(tmp_path, capsys):
     assert main(["eval", "--task", "writing", "--run", str(tmp_path)]) == 2
     assert f"--run {tmp_path}: no {tmp_path / 'agents' / 'agent_0'}" in capsys.readouterr().err

@@ -344,7 +344,10 @@ def evaluate_task(
         raise ConfigError(f"batch_size={batch_size} (--batch-size): must be >= 1")
     params = sampling_params(num_samples, temperature, max_new_tokens)
     protocol = task_protocol(task)
-    items = protocol.load_items(split, source)
+    try:
+        items = protocol.load_items(split, source)
+    except ValueError as exc:  # the task's own message names the bad value; point at the flags too
+        raise ConfigError(f"--split {split} / --source {source}: {exc}") from None
     if limit is not None:
         items = items[:limit]
     if not items:
