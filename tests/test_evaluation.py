@@ -262,3 +262,34 @@ def test_cli_eval_bad_split_names_the_flags(team_paths, capsys):
 def test_cli_eval_run_folder_without_agents(tmp_path, capsys):
     assert main(["eval", "--task", "writing", "--run", str(tmp_path)]) == 2
     assert f"--run {tmp_path}: no {tmp_path / 'agents' / 'agent_0'}" in capsys.readouterr().err
+
+
+# ----------------------------------------------------------------------------- the code task
+
+
+def test_code_task_through_evaluate_task(tmp_path):
+    """The code path with tiny random models: HumanEval items, sandboxed scoring, pass@k keys, pipeline wiring."""
+    from comarl.tasks import code
+
+    agents = load_agents([str(p) for p in code.build_team(tmp_path / "code-team")], "cpu")
+    settings = dict(num_samples=2, k_values=[1, 2], limit=1, max_new_tokens=8, temperature=1.0)
+    team_result = evaluate_task("code", agents, "team", **settings)
+    assert (
+        team_result["source"] == "humaneval"
+        and [s["id"] for s in team_result["samples"]] == ["HumanEval/0"] * 2
+    )
+    assert {"reward", "success", "pass@1", "pass@2", "reward/tests", "reward/total"} <= set(
+        team_result["metrics"]
+    )
+    assert 0.0 <= team_result["metrics"]["pass@2"] <= 1.0
+
+    item = code.load_items("eval")[0]
+    for sample in evaluate_task("code", agents, "pipeline", **settings)["samples"]:
+        (turn,) = sample["turns"]
+        assert turn["prompts"] == [
+            code.helper_prompt(item),
+            code.pipeline_prompt(item, turn["completions"][0]),
+        ]
+    two_turns = evaluate_task("code", agents, "team", **{**settings, "k_values": [1], "num_turns": 2})
+    # 8 random tokens never pass HumanEval/0, so every episode gets a revision turn with feedback
+    assert [len(s["turns"]) for s in two_turns["samples"]] == [2, 2]

@@ -55,7 +55,9 @@ def main(argv: list[str] | None = None) -> int:
         "--k", type=int, nargs="+", default=[1], help="k values of pass@k (each <= --samples)"
     )
     evaluate.add_argument("--split", default="eval", help="the task's split (default eval)")
-    evaluate.add_argument("--source", default="local", help="the task's data source (default local)")
+    evaluate.add_argument(
+        "--source", default=None, help="the task's data source (default: writing local, code humaneval)"
+    )
     evaluate.add_argument("--limit", type=int, default=None, help="evaluate the first LIMIT items only")
     evaluate.add_argument("--turns", type=int, default=1, help="turns per episode (code feedback rounds)")
     evaluate.add_argument(

@@ -68,8 +68,10 @@ def pass_at_k(n: int, c: int, k: int) -> float:
 class TaskProtocol:
     """What evaluation uses of a task module: its items, its environment, its pipeline prompt."""
 
-    load_items: Callable[[str, str], list[dict[str, Any]]]
-    make_env: Callable[[int, int], Env]  # (num_agents, num_turns) -> environment
+    load_items: Callable[[str, str], list[dict[str, Any]]]  # (split, source) -> items
+    default_source: str
+    id_key: str  # the item column that names an item in the samples
+    make_env: Callable[[int, int], Env]  # (num_agents, num_turns) -> environment, with close()
     pipeline_prompt: Callable[[Mapping[str, Any], str], str]
 
 
@@ -78,14 +80,14 @@ def task_protocol(task: str) -> TaskProtocol:
     if task == "writing":
         from comarl.tasks import writing
 
-        return TaskProtocol(writing.load_items, writing.make_env, writing.pipeline_prompt)
+        return TaskProtocol(writing.load_items, "local", "id", writing.make_env, writing.pipeline_prompt)
     if task == "code":
         from comarl.tasks import code
 
         def code_env(num_agents: int, num_turns: int) -> Env:
             return code.CodeEnv(num_agents=num_agents, num_turns=num_turns)
 
-        return TaskProtocol(code.load_items, code_env, code.pipeline_prompt)
+        return TaskProtocol(code.load_items, "humaneval", "task_id", code_env, code.pipeline_prompt)
     raise ConfigError(f"task={task!r} (--task): choose one of {list(TASKS)}")
 
 
@@ -322,7 +324,7 @@ def evaluate_task(
     k_values: Sequence[int] = (1,),
     split: str = "eval",
     *,
-    source: str = "local",
+    source: str | None = None,
     limit: int | None = None,
     num_turns: int = 1,
     temperature: float | None = None,
@@ -332,7 +334,8 @@ def evaluate_task(
 ) -> dict[str, Any]:
     """Play ``task`` in ``mode`` with ``agents`` (loaded :class:`Agent` objects), ``num_samples`` episodes per item.
 
-    Items are ``load_items(split, source)`` of the task, the first ``limit`` of them when given,
+    Items are ``load_items(split, source)`` of the task (``source`` defaults to the task's: writing
+    "local", code "humaneval"), the first ``limit`` of them when given,
     ``batch_size`` items per batched generate call. Returns a JSON-ready dict: the request
     (``task``, ``mode``, ``split``, ``source``, ``num_items``, ``num_samples``, ``num_turns``,
     ``temperature`` (None: greedy), ``agents``), ``metrics`` (see :func:`summarize`) and
@@ -344,6 +347,7 @@ def evaluate_task(
         raise ConfigError(f"batch_size={batch_size} (--batch-size): must be >= 1")
     params = sampling_params(num_samples, temperature, max_new_tokens)
     protocol = task_protocol(task)
+    source = protocol.default_source if source is None else source
     try:
         items = protocol.load_items(split, source)
     except ValueError as exc:  # the task's own message names the bad value; point at the flags too
@@ -359,15 +363,21 @@ def evaluate_task(
     torch.manual_seed(seed)
 
     records: list[dict[str, Any]] = []
-    for start in range(0, len(items), batch_size):
-        batch = items[start : start + batch_size]
-        if mode == "pipeline":
-            played = play_pipeline(env, agents, batch, engine, num_samples, params, protocol.pipeline_prompt)
-        else:
-            played = play_episodes(env, agents, batch, engine, num_samples, params, num_turns)
-        for e, record in enumerate(played):
-            index = start + e // num_samples
-            records.append({"item": index, "id": items[index].get("id"), "sample": e % num_samples, **record})
+    try:
+        for start in range(0, len(items), batch_size):
+            batch = items[start : start + batch_size]
+            if mode == "pipeline":
+                played = play_pipeline(
+                    env, agents, batch, engine, num_samples, params, protocol.pipeline_prompt
+                )
+            else:
+                played = play_episodes(env, agents, batch, engine, num_samples, params, num_turns)
+            for e, record in enumerate(played):
+                index = start + e // num_samples
+                item_id = items[index][protocol.id_key]
+                records.append({"item": index, "id": item_id, "sample": e % num_samples, **record})
+    finally:
+        env.close()  # type: ignore[attr-defined]  # the code env stops its sandbox pool
 
     return {
         "task": task,

@@ -279,6 +279,9 @@ class WritingEnv(Env):
             results.append(row)
         return results
 
+    def close(self) -> None:
+        """Nothing to release (the evaluation protocol closes every task's environment)."""
+
 
 def make_env(num_agents: int = 2, num_turns: int = 1) -> WritingEnv:
     """The evaluation protocol's constructor: the writing task is single-turn."""
