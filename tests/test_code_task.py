@@ -1,0 +1,436 @@
+"""The HumanEval code-collaboration task: reward levels by hand, feedback, splits, converters, and a tiny run."""
+
+from __future__ import annotations
+
+import copy
+import os
+
+import pytest
+
+from comarl import Agent, MAGRPOConfig, MAGRPOTrainer, Team
+from comarl.sandbox import SandboxLimits
+from comarl.tasks import code
+from comarl.tasks.code import CodeEnv, build_program, extract_code, load_items, mbpp_item
+
+pytestmark = pytest.mark.skipif(os.name != "posix", reason="the sandbox supports POSIX systems only")
+
+LIMITS = SandboxLimits(timeout_s=10.0, cpu_s=10.0, memory_mb=512)
+ITEMS = {item["task_id"]: item for item in load_items("all")}
+ZERO, TWO = ITEMS["HumanEval/0"], ITEMS["HumanEval/2"]
+
+# HumanEval/0 (has_close_elements), written by hand: the helper finds the closest gap, main compares it.
+HELPER_0 = '''```python
+def aux(numbers):
+    """The smallest distance between two of the numbers (inf for fewer than two)."""
+    ordered = sorted(numbers)
+    return min((b - a for a, b in zip(ordered, ordered[1:])), default=float("inf"))
+```'''
+MAIN_0 = """def has_close_elements(numbers, threshold):
+    return aux(numbers) < threshold
+"""
+ALONE_0 = """def has_close_elements(numbers, threshold):
+    return any(abs(a - b) < threshold for i, a in enumerate(numbers) for b in numbers[i + 1 :])
+"""
+
+
+@pytest.fixture(scope="module")
+def env():  # noqa: ANN201
+    environment = CodeEnv(num_agents=2, limits=LIMITS, max_workers=2)
+    yield environment
+    environment.close()
+
+
+def play(environment: CodeEnv, item: dict, *completions: str):  # noqa: ANN201
+    environment.reset(item)
+    return environment.step(list(completions))
+
+
+# ---------------------------------------------------------------------------- reward levels
+
+
+def test_correct_solution_scores_full_marks(env):
+    result = play(env, ZERO, HELPER_0, MAIN_0)
+    assert result.components == pytest.approx(
+        {"defined": 1.0, "syntax": 1.0, "tests": 1.0, "helper_used": 1.0, "total": 1.0}
+    )
+    assert result.rewards == [1.0, 1.0] and result.done
+    assert result.info["success"] is True and (result.info["passed"], result.info["checks"]) == (7, 7)
+    assert result.info["feedback"] == "All 7 checks passed."
+
+
+def test_syntax_error_keeps_only_the_definition_credit(env):
+    before = env.runs
+    result = play(env, ZERO, "def aux(numbers)\n    return 0", MAIN_0)
+    # helper does not parse (0), main defines the entry point (0.5); nothing compiles, nothing runs
+    assert result.components == pytest.approx(
+        {"defined": 0.5, "syntax": 0.0, "tests": 0.0, "helper_used": 0.0, "total": 0.05}
+    )
+    assert result.info["success"] is False and result.info["reason"] == "syntax"
+    assert env.runs == before
+    assert (
+        result.info["feedback"]
+        == "SyntaxError in the helper code, line 1: expected ':'\n    def aux(numbers)"
+    )
+
+
+def test_helper_never_called_loses_its_bonus(env):
+    result = play(env, ZERO, HELPER_0, ALONE_0)
+    assert result.components == pytest.approx(
+        {"defined": 1.0, "syntax": 1.0, "tests": 1.0, "helper_used": 0.0, "total": 0.8}
+    )
+    assert result.info["success"] is True
+
+
+def test_helper_redefined_by_main_is_not_used(env):
+    shadowing = "def aux(numbers):\n    return 0.0\n\n" + MAIN_0
+    result = play(env, ZERO, HELPER_0, shadowing)
+    assert result.components["helper_used"] == 0.0
+
+
+def test_partially_correct_solution_gets_the_fraction(env):
+    # HumanEval/0 expects True, False, True, False, True, True, False: always True passes 4 of 7
+    result = play(
+        env, ZERO, HELPER_0, "def has_close_elements(numbers, threshold):\n    return aux([]) > 0\n"
+    )
+    assert result.components["tests"] == pytest.approx(4 / 7)
+    assert result.components["total"] == pytest.approx(0.1 + 0.1 + 0.6 * 4 / 7 + 0.2)
+    assert result.info["success"] is False and result.info["passed"] == 4
+    # HumanEval/2 (3.5 -> 0.5, 1.33 -> 0.33, 123.456 -> 0.456): a constant 0.5 passes 1 of 3
+    result = play(
+        env, TWO, "def aux(x):\n    return 0.5", "def truncate_number(number):\n    return aux(number)"
+    )
+    assert result.components["tests"] == pytest.approx(1 / 3)
+    assert result.components["total"] == pytest.approx(0.1 + 0.1 + 0.2 + 0.2)
+
+
+def test_missing_entry_point_fails_every_check(env):
+    result = play(env, ZERO, HELPER_0, "def close(numbers, threshold):\n    return True")
+    assert result.components == pytest.approx(
+        {"defined": 0.5, "syntax": 1.0, "tests": 0.0, "helper_used": 0.0, "total": 0.15}
+    )
+    assert "NameError: name 'has_close_elements' is not defined" in result.info["feedback"]
+
+
+# ---------------------------------------------------------------------------- feedback and cheating
+
+
+def test_feedback_shows_the_first_failing_assertion(env):
+    result = play(
+        env,
+        TWO,
+        "def aux(x):\n    return x",
+        "def truncate_number(number):\n    return number - int(number) + 1",
+    )
+    assert result.info["feedback"] == (
+        "0 of 3 checks passed.\nFirst failing check: assert candidate(3.5) == 0.5\n    AssertionError: got 1.5"
+    )
+
+
+def test_feedback_locates_errors_in_the_agents_code(env):
+    result = play(
+        env, TWO, "def aux(x):\n    return x", "def truncate_number(number):\n    return helper(number)"
+    )
+    assert result.info["feedback"] == (
+        "0 of 3 checks passed.\nFirst failing check: assert candidate(3.5) == 0.5\n"
+        "    NameError: name 'helper' is not defined\n"
+        "    raised in the main code, line 2: return helper(number)"
+    )
+    crash = play(
+        env, TWO, "def aux(x):\n    return x", "x = 1 / 0\ndef truncate_number(number):\n    return 0.5"
+    )
+    assert crash.info["feedback"] == (
+        "The program stopped before the tests ran:\n    ZeroDivisionError: division by zero (the main code, line 1)"
+    )
+
+
+def test_a_slow_check_times_out_and_later_checks_are_not_run():
+    environment = CodeEnv(num_agents=2, limits=LIMITS, check_timeout_s=0.5)
+    try:
+        result = play(
+            environment, TWO, "def aux(x):\n    return x", "def truncate_number(n):\n    while True: pass"
+        )
+    finally:
+        environment.close()
+    assert result.info["feedback"] == (
+        "0 of 3 checks passed.\nFirst failing check: assert candidate(3.5) == 0.5\n"
+        "    Timeout: the check took longer than 0.5 s\n"
+        "    raised in the main code, line 2: while True: pass"
+    )
+    assert (
+        result.info["reason"] == "ok"
+    )  # the harness finished: the later checks were skipped, not waited for
+
+
+def test_early_exit_and_printed_results_cannot_fake_success(env):
+    """os._exit(0) before the tests is exit status 0, and printing result lines does not count: only lines with
+    the run's random marker do, and success needs every check and the final line."""
+    early = play(env, TWO, "", "import os\nos._exit(0)\ndef truncate_number(n):\n    return 0.5")
+    assert (
+        early.info["reason"] == "ok" and early.info["success"] is False and early.components["tests"] == 0.0
+    )
+    fake = "print('comarl-0 0 pass')\nprint('comarl-0 done')\ndef truncate_number(n):\n    return 0.0"
+    faked = play(env, TWO, "", fake)
+    assert faked.components["tests"] == 0.0 and faked.info["success"] is False
+
+
+def test_program_marker_is_random_and_parts_are_located():
+    codes = {
+        "helper": "def aux(x):\n    return x\n",
+        "main": "def truncate_number(n):\n    return aux(n) % 1\n",
+    }
+    first, second = build_program(TWO, codes), build_program(TWO, codes)
+    assert first.marker != second.marker and first.marker in first.source
+    assert first.checks == [
+        "assert candidate(3.5) == 0.5",
+        "assert abs(candidate(1.33) - 0.33) < 1e-6",
+        "assert abs(candidate(123.456) - 0.456) < 1e-6",
+    ]
+    lines = first.source.splitlines()
+    helper_line = lines.index("def aux(x):") + 1
+    main_line = lines.index("def truncate_number(n):") + 1
+    assert first.locate(helper_line) == ("helper", 1) and first.locate(main_line + 1) == ("main", 2)
+
+
+def test_checks_split_into_asserts_or_fall_back_to_all_or_nothing():
+    zero = build_program(ZERO, {"solution": ALONE_0})
+    assert (
+        len(zero.checks) == 7
+        and zero.checks[0] == "assert candidate([1.0, 2.0, 3.9, 4.0, 5.0, 2.2], 0.3) == True"
+    )
+    # HumanEval/32 checks inside a loop: one all-or-nothing check
+    assert build_program(ITEMS["HumanEval/32"], {"solution": ""}).checks == ["check(find_zero)"]
+    # HumanEval/64 ends with `assert True, ...`, which is not counted
+    assert len(build_program(ITEMS["HumanEval/64"], {"solution": ""}).checks) == 7
+
+
+def test_prompt_context_is_kept_for_problems_that_need_it():
+    """HumanEval/38's test calls encode_cyclic, defined in the prompt, not by the agents."""
+    item = ITEMS["HumanEval/38"]
+    single = CodeEnv(num_agents=1, limits=LIMITS)
+    try:
+        result = play(
+            single, item, "def decode_cyclic(s: str):\n    return encode_cyclic(encode_cyclic(s))\n"
+        )
+    finally:
+        single.close()
+    assert result.info["success"] is True
+
+
+# ---------------------------------------------------------------------------- multi-turn and single agent
+
+
+def test_multi_turn_feedback_then_revision():
+    environment = CodeEnv(num_agents=2, num_turns=2, limits=LIMITS)
+    try:
+        prompts = environment.reset(TWO)
+        helper, wrong = "def aux(x):\n    return x % 1.0", "def truncate_number(number):\n    return number"
+        first = environment.step([helper, wrong])
+        assert first.done is False and first.episode.turn == 1
+        main_view = first.observations[1]
+        assert main_view.startswith(prompts[1])
+        assert f"Your previous code (main):\n```python\n{wrong}\n```" in main_view
+        assert f"Your partner's previous code (helper):\n```python\n{helper}\n```" in main_view
+        assert "First failing check: assert candidate(3.5) == 0.5\n    AssertionError: got 3.5" in main_view
+        assert main_view.endswith("Revise your main code to fix this. Reply with Python code only.\n")
+        second = first.episode.step([helper, "def truncate_number(number):\n    return aux(number)"])
+        assert second.done is True and second.info["success"] is True and second.episode.turn == 2
+        assert second.episode.history.responses[1] == [
+            wrong,
+            "def truncate_number(number):\n    return aux(number)",
+        ]
+        # a solved first turn ends the episode at once; the last allowed turn ends it whatever happens
+        assert environment.step([helper, "def truncate_number(number):\n    return aux(number)"]).done is True
+        assert first.episode.step([helper, wrong]).done is True
+    finally:
+        environment.close()
+
+
+def test_single_agent_variant_and_body_only_completions():
+    single = CodeEnv(num_agents=1, limits=LIMITS)
+    try:
+        assert single.reset(TWO) == [code.single_prompt(TWO)]
+        full = single.step(["def truncate_number(number):\n    return number % 1.0"])
+        assert full.components == pytest.approx({"defined": 1.0, "syntax": 1.0, "tests": 1.0, "total": 1.0})
+        body = single.step(["    return number % 1.0\n"])  # a base model continuing the prompt
+        assert body.info["success"] is True and body.components["defined"] == 1.0
+        wrong = single.step(["def truncate_number(number):\n    return 0.5"])
+        assert wrong.components["total"] == pytest.approx(0.125 + 0.125 + 0.75 / 3)
+    finally:
+        single.close()
+
+
+def test_step_many_runs_the_whole_batch_in_one_sandbox_call(env, monkeypatch):
+    calls = []
+    original = env.pool.run_many
+    monkeypatch.setattr(env.pool, "run_many", lambda sources: calls.append(len(sources)) or original(sources))
+    a, b = copy.copy(env), copy.copy(env)  # two episodes, as the rollout makes them
+    a.reset(ZERO)
+    b.reset(TWO)
+    before = env.runs
+    results = env.step_many(
+        [a, b],
+        [
+            [[HELPER_0, MAIN_0], [HELPER_0, "def has_close_elements(:"]],
+            [["def aux(x):\n    return x % 1.0", "def truncate_number(n):\n    return aux(n)"]],
+        ],
+    )
+    assert calls == [2] and env.runs - before == 2  # the syntax error never ran
+    assert [[r.info["success"] for r in row] for row in results] == [[True, False], [True]]
+    assert results[0][0].episode is not results[0][1].episode and results[0][0].episode.item is ZERO
+
+
+def test_bad_input_is_named():
+    with pytest.raises(ValueError, match=r"CodeEnv: num_agents=3; use 2 \(helper \+ main\) or 1"):
+        CodeEnv(num_agents=3)
+    with pytest.raises(ValueError, match=r"CodeEnv: weights has keys \['tests'\]"):
+        CodeEnv(weights={"tests": 1.0})
+    environment = CodeEnv(num_agents=2, limits=LIMITS)
+    try:
+        with pytest.raises(KeyError, match=r"CodeEnv.reset: the item lacks \['entry_point', 'test'\]"):
+            environment.reset({"prompt": "def f():"})
+        environment.reset(TWO)
+        with pytest.raises(ValueError, match=r"joint action 0 of episode 0 has 1 completions; expected 2"):
+            environment.step(["def aux(): pass"])
+    finally:
+        environment.close()
+
+
+# ---------------------------------------------------------------------------- data and prompts
+
+
+def test_split_is_fixed():
+    eval_ids = [item["task_id"] for item in load_items("eval")]
+    train_ids = [item["task_id"] for item in load_items("train")]
+    assert eval_ids == [f"HumanEval/{i}" for i in range(32)]
+    assert train_ids == [f"HumanEval/{i}" for i in range(32, 164)]
+    assert set(load_items("eval")[0]) == {"task_id", "prompt", "entry_point", "test"}
+    with pytest.raises(ValueError, match=r"load_items: split='test'; choose 'train', 'eval' or 'all'"):
+        load_items("test")
+    with pytest.raises(ValueError, match=r"load_items: source='apps'"):
+        load_items("eval", source="apps")
+
+
+def test_mbpp_record_becomes_a_humaneval_item():
+    record = {  # the "sanitized" config's fields
+        "source_file": "Benchmark Questions Verification V2.ipynb",
+        "task_id": 2,
+        "prompt": "Write a function to find the shared elements from the given two lists.",
+        "code": "import math\ndef similar_elements(test_tup1, test_tup2):\n  res = tuple(set(test_tup1) & set(test_tup2))\n  return (res) ",
+        "test_imports": [],
+        "test_list": [
+            "assert set(similar_elements((3, 4, 5, 6),(5, 7, 4, 10))) == set((4, 5))",
+            "assert set(similar_elements((1, 2, 3, 4),(5, 4, 3, 7))) == set((3, 4))",
+        ],
+    }
+    item = mbpp_item(record)
+    assert item == {
+        "task_id": "MBPP/2",
+        "prompt": (
+            "import math\n\n\ndef similar_elements(test_tup1, test_tup2):\n"
+            '    """ Write a function to find the shared elements from the given two lists.\n'
+            "    For example: assert set(similar_elements((3, 4, 5, 6),(5, 7, 4, 10))) == set((4, 5))\n"
+            '    """\n'
+        ),
+        "entry_point": "similar_elements",
+        "test": (
+            "def check(candidate):\n"
+            "    assert set(similar_elements((3, 4, 5, 6),(5, 7, 4, 10))) == set((4, 5))\n"
+            "    assert set(similar_elements((1, 2, 3, 4),(5, 4, 3, 7))) == set((3, 4))\n"
+        ),
+    }
+    # the "full" config names the text "text" and has test_setup_code
+    full = {"task_id": 7, "text": "Add one.", "code": "def inc(x):\n    return x + 1", "test_setup_code": "import os",
+            "test_list": ["assert inc(1) == 2"], "challenge_test_list": []}  # fmt: skip
+    assert mbpp_item(full)["test"] == "import os\n\ndef check(candidate):\n    assert inc(1) == 2\n"
+    single = CodeEnv(num_agents=1, limits=LIMITS)
+    try:
+        assert play(single, item, record["code"]).info["success"] is True
+    finally:
+        single.close()
+    with pytest.raises(KeyError, match=r"mbpp_item: need 'text' \(or 'prompt'\), 'code' and 'test_list'"):
+        mbpp_item({"task_id": 1, "code": "pass"})
+
+
+def test_coophumaneval_record_is_kept_as_it_is():
+    record = {"task_id": "CoopHumanEval/0", "prompt": "def f(n):\n", "test": "def check(candidate):\n    assert candidate(1) == 8\n", "entry_point": "f", "extra": 1}  # fmt: skip
+    assert code.coophumaneval_item(record) == {
+        k: record[k] for k in ("task_id", "prompt", "entry_point", "test")
+    }
+
+
+def test_extract_code_and_prompts():
+    assert (
+        extract_code("Here:\n```python\ndef aux():\n    return 1\n```\nDone.") == "def aux():\n    return 1\n"
+    )
+    assert extract_code("```\nx = 1\n") == "x = 1\n"  # unclosed fence: to the end
+    assert extract_code("def aux():\n    return 1") == "def aux():\n    return 1"
+    helper, main = code.helper_prompt(TWO), code.main_prompt(TWO)
+    assert (
+        TWO["prompt"] in helper
+        and "Write the function `aux`" in helper
+        and "Do not write `truncate_number`" in helper
+    )
+    assert TWO["prompt"] in main and "Write the complete function `truncate_number`" in main
+    pipeline = code.pipeline_prompt(TWO, "```python\ndef aux(x):\n    return x % 1\n```")
+    assert (
+        "already wrote this helper function:\n\n```python\ndef aux(x):\n    return x % 1\n```\n\n" in pipeline
+    )
+    assert TWO["prompt"] in pipeline
+
+
+# ---------------------------------------------------------------------------- a few training steps
+
+
+class ScriptedCodeEnv(CodeEnv):
+    """CodeEnv whose code comes from a script keyed by the sampled completion, so random tiny models (whose text
+    never compiles) still exercise the sandbox: an even-length main completion gives a correct solution."""
+
+    solutions = {
+        "HumanEval/0": ("def aux(numbers):\n    return sorted(numbers)", ALONE_0, "def has_close_elements(n, t):\n    return True"),
+        "HumanEval/2": ("def aux(x):\n    return x % 1.0", "def truncate_number(n):\n    return aux(n)", "def truncate_number(n):\n    return 0.5"),
+    }  # fmt: skip
+    # total of each scripted joint action, by hand (helper always defined and compiling):
+    # /0 right: tests 1, helper unused -> 0.8;  /0 wrong (always True): 4/7 -> 0.2 + 0.6 * 4/7
+    # /2 right: helper used -> 1.0;             /2 wrong (always 0.5): 1/3, helper unused -> 0.2 + 0.6 / 3
+    totals = {("HumanEval/0", True): 0.8, ("HumanEval/0", False): 0.2 + 0.6 * 4 / 7,
+              ("HumanEval/2", True): 1.0, ("HumanEval/2", False): 0.2 + 0.6 / 3}  # fmt: skip
+
+    def codes(self, item, action):  # noqa: ANN001, ANN201
+        helper, right, wrong = self.solutions[item["task_id"]]
+        correct = len(action[1]) % 2 == 0
+        self.choices.append((item["task_id"], correct))
+        return {"helper": helper, "main": right if correct else wrong}
+
+
+def test_training_steps_with_a_tiny_team(tmp_path):
+    paths = code.build_team(tmp_path / "team", seed=0)
+    team = Team(
+        [
+            Agent.from_pretrained(str(paths[0]), role="helper"),
+            Agent.from_pretrained(str(paths[1]), role="main"),
+        ]
+    )
+    env = ScriptedCodeEnv(num_agents=2, limits=LIMITS, max_workers=2)
+    env.choices = []
+    args = MAGRPOConfig(
+        prompts_per_step=2,
+        num_generations=2,
+        max_new_tokens=16,
+        max_steps=2,
+        learning_rate=1e-3,
+        progress_bar=False,
+    )
+    try:
+        trainer = MAGRPOTrainer(team=team, env=env, train_dataset=[ZERO, TWO], args=args)
+        metrics = trainer.train()  # the metrics of the last step
+    finally:
+        env.close()
+    assert env.runs == len(env.choices) == 2 * 2 * 2  # steps x items x joint actions, each run in the sandbox
+    last = env.choices[-4:]
+    assert metrics["reward"] == pytest.approx(sum(ScriptedCodeEnv.totals[c] for c in last) / 4)
+    assert metrics["success"] == pytest.approx(sum(correct for _, correct in last) / 4)
+    for name in ("defined", "syntax", "tests", "helper_used", "total"):
+        assert f"reward/{name}" in metrics
+    assert metrics["reward/total"] == pytest.approx(metrics["reward"])
+    assert metrics["reward/syntax"] == 1.0 and metrics["reward/defined"] == 1.0
+    assert "agent_0/loss" in metrics and "agent_1/loss" in metrics
