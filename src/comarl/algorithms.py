@@ -221,3 +221,124 @@ def discounted_returns(rewards: torch.Tensor, discount: float) -> torch.Tensor:
         running = rewards[..., t] + discount * running
         returns[..., t] = running
     return returns
+
+
+# ----------------------------------------------------------------------------- critics (IAC, MAAC, IPPO, MAPPO)
+
+
+def tree_lambda_returns(
+    rewards: torch.Tensor,
+    values: torch.Tensor,
+    child: torch.Tensor,
+    done: torch.Tensor,
+    discount: float,
+    lam: float,
+) -> torch.Tensor:
+    """TD(lambda) returns of every joint action of a rollout tree, ``[num_nodes, K, N]``.
+
+    ``rewards[n, k, i]``: agent i's reward for joint action k at node n; ``values[n, i]``: the critic's
+    value of node n's state for agent i; ``child[n, k]``: the node that joint action leads to (-1: none);
+    ``done[n, k]``: the episode ended there. Children have larger indices than their parents. With
+    ``c = child[n, k]``::
+
+        G[n, k] = r[n, k] + gamma * ((1 - lambda) * V[c] + lambda * mean_k' G[c, k'])
+
+    and ``G[n, k] = r[n, k]`` when the episode is done or the turn limit is reached. A joint action that
+    could go on but got no child (the ``max_children`` budget) uses the mean of its expanded siblings'
+    ``V[c]`` and ``mean_k' G[c, k']``. On a chain (K = 1) this is the GAE recursion over turns::
+
+        A[t] = G[t] - V[t] = delta[t] + gamma * lambda * A[t + 1],   delta[t] = r[t] + gamma * V[t + 1] - V[t]
+
+    ``lambda = 1`` gives Monte-Carlo returns (the critic is only a baseline); ``lambda = 0`` gives
+    one-step TD targets ``r + gamma * V[c]`` (the critic bootstraps).
+    """
+    num_nodes, K, _ = rewards.shape
+    returns = rewards.clone().float()
+    mean_return = torch.zeros_like(values, dtype=torch.float32)  # mean_k G[n, k], per agent
+    for n in range(num_nodes - 1, -1, -1):
+        kids = child[n]
+        expanded = kids >= 0
+        if expanded.any():
+            cs = kids[expanded]
+            continuation = (1 - lam) * values[cs] + lam * mean_return[cs]  # [#expanded, N]
+            tail = torch.zeros_like(returns[n])
+            tail[expanded] = continuation
+            pruned = ~expanded & ~done[n]
+            tail[pruned] = continuation.mean(dim=0)
+            returns[n] += discount * tail
+        mean_return[n] = returns[n].mean(dim=0)
+    return returns
+
+
+def counterfactual_baseline(
+    q_values: torch.Tensor, joint_index: torch.Tensor, num_generations: int
+) -> torch.Tensor:
+    """COMA-style baseline from a joint-action critic over the full cross product, ``[K, N]``.
+
+    ``q_values[k, i]`` is Q_i(s, a^k) for every one of the ``K = G^N`` joint actions of one node;
+    ``joint_index[k]`` the agents' completion indices in joint action k. Agent i's baseline keeps the
+    other agents' answers and averages over its *other* sampled answers::
+
+        b_i(a^k) = 1/(G-1) * sum_{j != a^k_i} Q_i(s, (a^k_{-i}, j))
+
+    It does not depend on agent i's own answer, so ``Q_i(s, a) - b_i`` is an unbiased advantage
+    for agent i (Foerster et al., 2018, with the G samples as the counterfactual actions).
+    """
+    K, N = joint_index.shape
+    G = num_generations
+    if K != G**N:
+        raise ValueError(
+            f"counterfactual_baseline: needs all G^N = {G**N} joint actions of the node (joint_mode='cross' "
+            f"without max_joint_actions), got {K}"
+        )
+    if G < 2:
+        raise ValueError("counterfactual_baseline: needs num_generations >= 2")
+    powers = G ** torch.arange(N - 1, -1, -1)
+    codes = (joint_index * powers).sum(dim=1)
+    position = torch.empty(K, dtype=torch.long)
+    position[codes] = torch.arange(K)  # joint action k has code codes[k]
+    baseline = torch.empty_like(q_values, dtype=torch.float32)
+    for i in range(N):
+        others = codes - joint_index[:, i] * powers[i]  # the code with agent i's index set to 0
+        every = others.unsqueeze(1) + torch.arange(G).unsqueeze(0) * powers[i]  # [K, G]
+        total = q_values[position[every], i].sum(dim=1)
+        baseline[:, i] = (total - q_values[:, i]) / (G - 1)
+    return baseline
+
+
+def value_loss(
+    values: torch.Tensor, old_values: torch.Tensor, targets: torch.Tensor, clip: float | None
+) -> torch.Tensor:
+    """Per-sample critic loss, with PPO's value clipping when ``clip`` is set::
+
+    L = 1/2 (V - y)^2                                                  (clip = None)
+    L = 1/2 max((V - y)^2, (V_old + clip(V - V_old, -c, c) - y)^2)    (clip = c)
+    """
+    unclipped = (values - targets) ** 2
+    if clip is None:
+        return 0.5 * unclipped
+    clipped_values = old_values + torch.clamp(values - old_values, -clip, clip)
+    return 0.5 * torch.max(unclipped, (clipped_values - targets) ** 2)
+
+
+def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
+    """Entropy ``H = logsumexp(x) - sum_v softmax(x)_v x_v`` of each position's distribution, ``x = logits / T``."""
+    logits = logits.float()
+    if temperature != 1.0:
+        logits = logits / temperature
+    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+
+
+def whiten(values: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
+    """``(x - mean x) / (std x + eps)`` over all elements (PPO's advantage normalisation)."""
+    if values.numel() < 2:
+        return values - values.mean()
+    return (values - values.mean()) / (values.std() + eps)
+
+
+def explained_variance(predictions: torch.Tensor, targets: torch.Tensor) -> float:
+    """``1 - Var(y - V) / Var(y)``: 1 is a perfect critic, 0 predicts no better than the mean, < 0 worse."""
+    var = float(targets.var()) if targets.numel() > 1 else 0.0
+    if var == 0:
+        return float("nan")
+    return 1.0 - float((targets - predictions).var()) / var

@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from comarl.config import ConfigError, RunSpec, config_class, config_help, load_run_spec
+from comarl.config import TRAINERS, ConfigError, RunSpec, config_class, config_help, load_run_spec
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -106,13 +106,17 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _train(spec: RunSpec) -> int:
-    from comarl.trainers import magrpo
+    from comarl.trainers import actor_critic, magrpo
 
     trainer_cls = {
         "magrpo": magrpo.MAGRPOTrainer,
         "mareinforce": magrpo.MAREINFORCETrainer,
         "marloo": magrpo.MARLOOTrainer,
         "maremax": magrpo.MAReMaxTrainer,
+        "iac": actor_critic.IACTrainer,
+        "maac": actor_critic.MAACTrainer,
+        "ippo": actor_critic.IPPOTrainer,
+        "mappo": actor_critic.MAPPOTrainer,
     }[spec.trainer]
     args = spec.trainer_args()
     if spec.task == "demo":
@@ -179,9 +183,7 @@ def _fields(trainer: str) -> int:
     try:
         cls = config_class(trainer)
     except KeyError:
-        raise ConfigError(
-            f"unknown trainer {trainer!r}; choose magrpo, mareinforce, marloo or maremax"
-        ) from None
+        raise ConfigError(f"unknown trainer {trainer!r}; choose one of {', '.join(TRAINERS)}") from None
     for name, text in config_help(cls).items():
         print(f"{name:<26} {text}")
     return 0

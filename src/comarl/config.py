@@ -292,20 +292,14 @@ class MAGRPOConfig:
         choices = {
             "joint_mode": JOINT_MODES,
             "reward_call": REWARD_CALLS,
-            "baseline": BASELINES,
-            "scale": SCALES,
             "loss_aggregation": AGGREGATIONS,
             "lr_scheduler_type": LR_SCHEDULES,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: choose one of {list(allowed)}")
+        self.validate_advantage()
         G = self.num_generations
-        if G < 2 and (self.baseline in ("group_mean", "leave_one_out", "group_max") or self.scale == "group"):
-            raise ConfigError(
-                f"num_generations={G}: baseline={self.baseline!r} with scale={self.scale!r} compares the samples of a "
-                "group and needs num_generations >= 2 (or use baseline='none', scale='none' / 'batch')"
-            )
         completions = self.prompts_per_step * G
         if self.micro_batch_size is not None and (
             self.micro_batch_size < 1 or completions % self.micro_batch_size
@@ -332,6 +326,18 @@ class MAGRPOConfig:
             raise ConfigError(f"max_children={self.max_children}: must be >= 1 (or None for all)")
         if self.max_nodes < 1:
             raise ConfigError(f"max_nodes={self.max_nodes}: must be >= 1")
+
+    def validate_advantage(self) -> None:
+        """The advantage fields: a group baseline and scale (the critic trainers override this)."""
+        for name, allowed in (("baseline", BASELINES), ("scale", SCALES)):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name}={getattr(self, name)!r}: choose one of {list(allowed)}")
+        G = self.num_generations
+        if G < 2 and (self.baseline in ("group_mean", "leave_one_out", "group_max") or self.scale == "group"):
+            raise ConfigError(
+                f"num_generations={G}: baseline={self.baseline!r} with scale={self.scale!r} compares the samples of a "
+                "group and needs num_generations >= 2 (or use baseline='none', scale='none' / 'batch')"
+            )
 
     def check_team(self, num_agents: int, dataset_size: int | None) -> None:
         """Checks that need the team size and dataset length; called before any model loads."""
@@ -412,6 +418,137 @@ class MAReMaxConfig(MAGRPOConfig):
     scale: str = _help("Advantage scale (MAReMax: none).", default="none")
 
 
+@dataclass
+class ActorCriticConfig(MAGRPOConfig):
+    """Settings of the critic family (IAC, MAAC, IPPO, MAPPO): a learned value replaces the group baseline.
+
+    Advantages are TD(lambda) over turns: ``A = G^lambda - V(state)`` per completion (see
+    ``docs/actor_critic.md``). Each of ``num_iterations`` epochs splits every agent's completions
+    into ``num_mini_batches`` optimizer steps (PPO); the batch arithmetic of MAGRPOConfig holds per
+    mini-batch.
+    """
+
+    baseline: str = _help(
+        "Actor-critic: the critic's value is the baseline; only 'critic'.", default="critic"
+    )
+    scale: str = _help("Actor-critic: 'none' (use whiten_advantages).", default="none")
+    centralized_critic: bool = _help(
+        "One critic that reads every agent's observation (MAAC/MAPPO) instead of one per agent (IAC/IPPO).",
+        default=False,
+    )
+    critic_type: str = _help(
+        "'v': state value V(s); 'q': joint-action value Q(s, a) with a COMA-style counterfactual baseline "
+        "(centralized only; needs joint_mode='cross' over all G^N joint actions).",
+        default="v",
+    )
+    critic_model: str | None = _help(
+        "Hub id or path of a separate critic model. None: a value head on each agent's own model (independent), "
+        "or a copy of agent 0's model (centralized, which must read text from every agent).",
+        default=None,
+    )
+    critic_learning_rate: float = _help("AdamW learning rate of the critic / value head.", default=1e-4)
+    value_coef: float = _help(
+        "Weight of the value loss when the value head shares the agent's model (loss = policy + c * value).",
+        default=0.5,
+    )
+    value_clip: float | None = _help(
+        "PPO value clipping: V_old + clip(V - V_old, -c, c); None = plain squared error.", default=None
+    )
+    entropy_coef: float = _help("Weight of the entropy bonus (loss -= c * token entropy).", default=0.0)
+    gae_lambda: float = _help(
+        "TD(lambda) over turns: 1 = Monte-Carlo returns, 0 = one-step bootstrap r + gamma * V(next).",
+        default=1.0,
+    )
+    num_mini_batches: int = _help(
+        "Optimizer steps per epoch: each agent's completions (and the critic's samples) in this many shuffled "
+        "mini-batches.",
+        default=1,
+    )
+    whiten_advantages: bool = _help(
+        "Normalise each agent's advantages over the batch to mean 0, std 1 (PPO's usual normalisation).",
+        default=True,
+    )
+
+    def validate_advantage(self) -> None:
+        if self.baseline != "critic":
+            raise ConfigError(
+                f"baseline={self.baseline!r}: actor-critic trainers use the critic as the baseline; remove baseline= "
+                "(or use a MAGRPO-family trainer for group baselines)"
+            )
+        if self.scale != "none":
+            raise ConfigError(
+                f"scale={self.scale!r}: actor-critic trainers normalise with whiten_advantages; remove scale="
+            )
+        if self.critic_type not in ("v", "q"):
+            raise ConfigError(f"critic_type={self.critic_type!r}: choose 'v' or 'q'")
+        if self.critic_type == "q":
+            if not self.centralized_critic:
+                raise ConfigError(
+                    "critic_type='q' needs centralized_critic=True (the critic reads the joint action)"
+                )
+            if self.joint_mode != "cross" or self.max_joint_actions is not None:
+                raise ConfigError(
+                    "critic_type='q' needs joint_mode='cross' without max_joint_actions: the counterfactual baseline "
+                    "averages Q over each agent's other answers with the partners' answers fixed"
+                )
+            if self.num_generations < 2:
+                raise ConfigError(
+                    "critic_type='q' needs num_generations >= 2 for the counterfactual baseline"
+                )
+        if not 0 <= self.gae_lambda <= 1:
+            raise ConfigError(f"gae_lambda={self.gae_lambda!r}: must be in [0, 1]")
+        for name in ("critic_learning_rate", "value_coef"):
+            if not getattr(self, name) > 0:
+                raise ConfigError(f"{name}={getattr(self, name)!r}: must be > 0")
+        if self.entropy_coef < 0:
+            raise ConfigError(f"entropy_coef={self.entropy_coef!r}: must be >= 0")
+        if self.value_clip is not None and not self.value_clip > 0:
+            raise ConfigError(f"value_clip={self.value_clip!r}: must be > 0 (or None)")
+        completions = self.prompts_per_step * self.num_generations
+        if not isinstance(self.num_mini_batches, int) or self.num_mini_batches < 1:
+            raise ConfigError(f"num_mini_batches={self.num_mini_batches!r}: must be an integer >= 1")
+        if completions % self.num_mini_batches:
+            raise ConfigError(
+                f"num_mini_batches={self.num_mini_batches}: must divide the completions each agent trains on per step, "
+                f"prompts_per_step x num_generations = {self.prompts_per_step} x {self.num_generations} = {completions}"
+            )
+        per_mini = completions // self.num_mini_batches
+        if self.micro_batch_size is not None and per_mini % self.micro_batch_size:
+            raise ConfigError(
+                f"micro_batch_size={self.micro_batch_size}: must divide the completions of one mini-batch, "
+                f"{completions} / num_mini_batches={self.num_mini_batches} = {per_mini}"
+            )
+
+
+@dataclass
+class IACConfig(ActorCriticConfig):
+    """IAC: independent actor-critic, one critic per agent from its own observation; one update per batch."""
+
+
+@dataclass
+class MAACConfig(ActorCriticConfig):
+    """MAAC: actor-critic with one centralized critic over every agent's observation."""
+
+    centralized_critic: bool = _help("MAAC: one critic over every agent's observation.", default=True)
+
+
+@dataclass
+class IPPOConfig(ActorCriticConfig):
+    """IPPO: PPO with independent critics: several clipped epochs over mini-batches, value clipping."""
+
+    num_iterations: int = _help("PPO epochs over each collected batch.", default=4)
+    num_mini_batches: int = _help("PPO: optimizer steps per epoch (shuffled mini-batches).", default=2)
+    value_clip: float | None = _help("PPO value clipping range (None = off).", default=0.2)
+    gae_lambda: float = _help("GAE lambda over turns.", default=0.95)
+
+
+@dataclass
+class MAPPOConfig(IPPOConfig):
+    """MAPPO: PPO with one centralized critic over every agent's observation."""
+
+    centralized_critic: bool = _help("MAPPO: one critic over every agent's observation.", default=True)
+
+
 def config_help(config_cls: type) -> dict[str, str]:
     """Field name -> help line, for docs and the CLI."""
     return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(config_cls)}
@@ -419,7 +556,7 @@ def config_help(config_cls: type) -> dict[str, str]:
 
 # ---------------------------------------------------------------------------- run specs (YAML / CLI)
 
-TRAINERS = ("magrpo", "mareinforce", "marloo", "maremax")
+TRAINERS = ("magrpo", "mareinforce", "marloo", "maremax", "iac", "maac", "ippo", "mappo")
 
 
 @dataclass
@@ -463,6 +600,10 @@ def config_class(trainer: str) -> type[MAGRPOConfig]:
         "mareinforce": MAREINFORCEConfig,
         "marloo": MARLOOConfig,
         "maremax": MAReMaxConfig,
+        "iac": IACConfig,
+        "maac": MAACConfig,
+        "ippo": IPPOConfig,
+        "mappo": MAPPOConfig,
     }[trainer]
 
 

@@ -70,6 +70,9 @@ class Env:
         """Apply one completion per agent; return rewards, done, next observations and info."""
         raise NotImplementedError
 
+    def close(self) -> None:
+        """Release what the environment holds (worker pools, files); called when a run or evaluation ends."""
+
     def step_many(
         self, episodes: Sequence[Env], joint_actions: Sequence[Sequence[Sequence[str]]]
     ) -> list[list[StepResult]]:
@@ -295,7 +298,7 @@ class FunctionEnv(Env):
         for call in calls:
             eps = [ep for ep, _ in call]
             completions = [[action[i] for _, action in call] for i in range(self.num_agents)]
-            prompts = [[_prompt_text(ep.prompts[i]) for ep in eps] for i in range(self.num_agents)]  # type: ignore[attr-defined]
+            prompts = [[prompt_text(ep.prompts[i]) for ep in eps] for i in range(self.num_agents)]  # type: ignore[attr-defined]
             items = [ep.item for ep in eps]  # type: ignore[attr-defined]
             for fn in self.rewards:
                 scores[fn.name].extend(fn(completions, prompts, items))
@@ -321,7 +324,7 @@ class FunctionEnv(Env):
     def _advance(self, episode: FunctionEnv, action: Sequence[str], result: StepResult) -> None:
         """The branch after ``action``: its history grows; the transition gives the next prompts or ends it."""
         branch = copy.copy(episode)
-        branch.history = episode.history.extended([_prompt_text(p) for p in episode.prompts], list(action))
+        branch.history = episode.history.extended([prompt_text(p) for p in episode.prompts], list(action))
         result.episode = branch
         if self.transition is None or len(branch.history.responses[0]) >= self.num_turns:
             return
@@ -383,7 +386,7 @@ def comlrl_transition(
     return transition
 
 
-def _prompt_text(prompt: Any) -> str:
+def prompt_text(prompt: Any) -> str:
     """A prompt as text: strings as they are, chat messages as their contents joined."""
     if isinstance(prompt, str):
         return prompt

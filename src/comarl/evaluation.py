@@ -377,7 +377,7 @@ def evaluate_task(
                 item_id = items[index][protocol.id_key]
                 records.append({"item": index, "id": item_id, "sample": e % num_samples, **record})
     finally:
-        env.close()  # type: ignore[attr-defined]  # the code env stops its sandbox pool
+        env.close()  # the code env stops its sandbox pool
 
     return {
         "task": task,

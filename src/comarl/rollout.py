@@ -35,6 +35,8 @@ class Rollout:
     node_returns: torch.Tensor
     depth: torch.Tensor  # [num_nodes]: the turn of each node (0 = the item's first turn)
     terminal: torch.Tensor  # [num_nodes, K]: the joint action has no child
+    child: torch.Tensor  # [num_nodes, K]: the node the joint action leads to (-1: none)
+    done: torch.Tensor  # [num_nodes, K]: the environment ended the episode there
     success: torch.Tensor | None
     components: dict[str, torch.Tensor] = field(default_factory=dict)
     generate_seconds: float = 0.0  # time spent in generate, all turns
@@ -210,10 +212,11 @@ def collect(
         )
         for i in range(N)
     ]
-    terminal = torch.ones_like(done)
+    child = torch.full(done.shape, -1, dtype=torch.long)
     for n, kids in children.items():
-        for k in kids:
-            terminal[n, k] = False
+        for k, c in kids.items():
+            child[n, k] = c
+    terminal = child < 0
     flags = [[r.info.get("success") for r in row] for row in results]
     success = (
         torch.tensor(flags, dtype=torch.float32) if all(f is not None for row in flags for f in row) else None
@@ -235,6 +238,8 @@ def collect(
         node_returns,
         depth=torch.tensor([n.depth for n in nodes]),
         terminal=terminal,
+        child=child,
+        done=done,
         success=success,
         components=components,
         generate_seconds=generate_seconds,

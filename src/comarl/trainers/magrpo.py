@@ -141,10 +141,7 @@ class MAGRPOTrainer:
         )
         self.optimizers = [self._optimizer(agent) for agent in self.team]
         self.total_steps = args.total_steps(len(train_dataset))
-        self.schedulers = [
-            torch.optim.lr_scheduler.LambdaLR(opt, lr_lambda(args, self.total_steps * args.num_iterations))
-            for opt in self.optimizers
-        ]
+        self.schedulers = [self._schedule(opt) for opt in self.optimizers]
         self.references = [_frozen_copy(a.model) for a in self.team] if args.beta > 0 else None
         self.joint_generator = torch.Generator().manual_seed(args.seed + 1)
         self.step = 0
@@ -187,19 +184,7 @@ class MAGRPOTrainer:
         """Collect one batch of joint experience and update every agent once (``num_iterations`` steps)."""
         args = self.args
         t0 = time.perf_counter()
-        rollout = collect(
-            self.env,
-            self.team.agents,
-            items,
-            engine=self.engine,
-            num_generations=args.num_generations,
-            params=self._sampling(),
-            joint_mode=args.joint_mode,
-            max_joint_actions=args.max_joint_actions,
-            **self._tree_settings(),
-            generator=self.joint_generator,
-            pool=self.pool,
-        )
+        rollout = self._collect(items)
         generate_seconds = rollout.generate_seconds
         greedy = None
         if args.baseline == "greedy":
@@ -360,6 +345,29 @@ class MAGRPOTrainer:
                 yield [self.train_dataset[j] for j in ids]
                 produced += 1
             epoch += 1
+
+    def _collect(self, items: Sequence[Any]) -> Rollout:
+        """Sample every agent's answers to ``items`` and play them in the environment (a tree over turns)."""
+        args = self.args
+        return collect(
+            self.env,
+            self.team.agents,
+            items,
+            engine=self.engine,
+            num_generations=args.num_generations,
+            params=self._sampling(),
+            joint_mode=args.joint_mode,
+            max_joint_actions=args.max_joint_actions,
+            **self._tree_settings(),
+            generator=self.joint_generator,
+            pool=self.pool,
+        )
+
+    def _schedule(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        """Warmup and decay over every optimizer step of the run (``num_iterations`` per training step)."""
+        return torch.optim.lr_scheduler.LambdaLR(
+            optimizer, lr_lambda(self.args, self.total_steps * self.args.num_iterations)
+        )
 
     def _tree_settings(self) -> dict[str, Any]:
         a = self.args

@@ -1,0 +1,183 @@
+"""Critics for the actor-critic family: a value head on an agent's own model, or a separate critic model.
+
+Values are turn-level: one value per observation (the state an agent answers from), read from a
+single hidden state — the last prompt token — of the model's backbone. The backbone is called
+directly, so no LM logits and no list of every layer's hidden states are computed for a value.
+
+- ``ValueHead``: ``Linear(hidden, outputs)`` on an agent's backbone; the agent's policy forward then
+  yields log-probs and the value in one pass (``policy_forward``).
+- ``CriticModel``: its own backbone, tokenizer and head. It reads text, so a centralized critic can
+  see every agent's observation (and, for Q, the joint answer) rendered by ``joint_observation``,
+  whatever the agents' tokenizers.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from comarl.algorithms import token_entropy, token_logprobs
+
+VALUE_HEAD_FILE = "value_head.pt"
+
+
+class ValueHead(nn.Module):
+    """``V(h) = W h + b`` with ``outputs`` values per state; starts at 0 so early advantages are the returns."""
+
+    def __init__(self, hidden_size: int, outputs: int = 1) -> None:
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, outputs)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.linear(hidden.float())
+
+    def save(self, directory: str | Path) -> None:
+        Path(directory).mkdir(parents=True, exist_ok=True)
+        torch.save(
+            {"state_dict": self.state_dict(), "outputs": self.linear.out_features},
+            Path(directory) / VALUE_HEAD_FILE,
+        )
+
+    @classmethod
+    def load_or_new(cls, directory: str | Path | None, hidden_size: int, outputs: int) -> ValueHead:
+        """The head saved in ``directory`` when there is one (with matching shape), else a new zero head."""
+        head = cls(hidden_size, outputs)
+        path = None if directory is None else Path(directory) / VALUE_HEAD_FILE
+        if path is not None and path.is_file():
+            saved = torch.load(path, map_location="cpu", weights_only=True)
+            if saved["outputs"] != outputs:
+                raise ValueError(
+                    f"{path}: the saved value head has {saved['outputs']} outputs but this critic needs {outputs}"
+                )
+            head.load_state_dict(saved["state_dict"])
+        return head
+
+
+def hidden_size(model: Any) -> int:
+    config = model.config
+    size = getattr(config, "hidden_size", None)
+    if size is None:  # multimodal configs keep it on the text config
+        size = config.get_text_config().hidden_size
+    return int(size)
+
+
+def backbone(model: Any) -> Any:
+    """The transformer without its LM head (``model.base_model`` of a ``*ForCausalLM``; a bare ``AutoModel`` itself)."""
+    return getattr(model, "base_model", model)
+
+
+def _check_plain_lm_head(model: Any) -> None:
+    config = model.config
+    for name in ("final_logit_softcapping", "logit_scale"):
+        if getattr(config, name, None) not in (None, 1.0):
+            raise ValueError(
+                f"{type(model).__name__} post-processes its logits ({name}={getattr(config, name)}); the value head "
+                "shares the backbone forward and cannot reproduce that: use critic_model= (a separate critic)"
+            )
+
+
+def last_token_hidden(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Hidden state of each sequence's last token ``[B, H]`` (inputs are left-padded: the last column)."""
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    out = backbone(model)(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    )
+    return out.last_hidden_state[:, -1]
+
+
+def policy_forward(
+    model: Any,
+    head: ValueHead | None,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    completion_mask: torch.Tensor,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    entropy_grad: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """One batched forward over prompt+completion: token log-probs ``[B, T]``, entropies ``[B, T]`` and values.
+
+    The backbone runs once; the LM head is applied to the ``T`` positions that predict completion
+    tokens only, and the value head to the last prompt token (position ``P - 1``: the state the
+    agent answered from). Returns ``(logprobs, entropy or None, values [B, outputs] or None)``.
+    With ``entropy_grad=False`` the entropy is a metric only: no graph is kept for its ``[B, T, V]`` softmax.
+    """
+    _check_plain_lm_head(model)
+    input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+    attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
+    position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
+    hidden = backbone(model)(
+        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    ).last_hidden_state
+    P, T = prompt_ids.shape[1], completion_ids.shape[1]
+    logits = model.get_output_embeddings()(hidden[:, P - 1 : P - 1 + T])
+    logprobs = token_logprobs(logits, completion_ids, temperature)
+    entropy = None
+    if with_entropy:
+        entropy = token_entropy(logits if entropy_grad else logits.detach(), temperature)
+    values = head(hidden[:, P - 1]) if head is not None else None
+    return logprobs, entropy, values
+
+
+def joint_observation(observations: Sequence[str], answers: Sequence[str] | None = None) -> str:
+    """The text a centralized critic reads: every agent's observation, and for Q the joint answer."""
+    lines = [f"agent {i} sees: {obs}" for i, obs in enumerate(observations)]
+    if answers is not None:
+        lines += [f"agent {i} answers: {ans}" for i, ans in enumerate(answers)]
+    return "\n".join(lines)
+
+
+class CriticModel(nn.Module):
+    """A separate critic: a backbone (``AutoModel``) with its own tokenizer and a value head.
+
+    ``outputs`` values per text: 1 for an agent's own critic, ``N`` (one per agent) for a
+    centralized one. Saved as a model folder plus ``value_head.pt``; loading that folder again
+    restores the head.
+    """
+
+    def __init__(self, model: Any, tokenizer: Any, head: ValueHead, source: str | None = None) -> None:
+        super().__init__()
+        from comarl.agents import prepare_tokenizer
+
+        self.model = model
+        self.tokenizer = prepare_tokenizer(tokenizer)
+        self.head = head
+        self.source = source
+        for module in self.model.modules():
+            if isinstance(module, nn.Dropout):
+                module.p = 0.0
+
+    @classmethod
+    def from_pretrained(
+        cls, source: str | Path, outputs: int = 1, device: str | torch.device = "cpu"
+    ) -> CriticModel:
+        from transformers import AutoModel, AutoTokenizer
+
+        model = AutoModel.from_pretrained(str(source), dtype=torch.float32)
+        tokenizer = AutoTokenizer.from_pretrained(str(source))
+        head = ValueHead.load_or_new(source, hidden_size(model), outputs)
+        return cls(model, tokenizer, head, str(source)).to(device)
+
+    @property
+    def device(self) -> torch.device:
+        return next(self.parameters()).device
+
+    def encode(self, texts: Sequence[str]) -> tuple[torch.Tensor, torch.Tensor]:
+        enc = self.tokenizer(list(texts), return_tensors="pt", padding=True)
+        return enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
+
+    def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+        """Values ``[B, outputs]`` of left-padded token ids."""
+        return self.head(last_token_hidden(self.model, input_ids, attention_mask))
+
+    def save(self, directory: str | Path) -> None:
+        self.model.save_pretrained(directory)
+        self.tokenizer.save_pretrained(directory)
+        self.head.save(directory)

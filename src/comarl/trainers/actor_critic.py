@@ -1,0 +1,407 @@
+"""The critic family: IAC, MAAC (centralized critic), IPPO and MAPPO — one loop, different settings.
+
+One training step, top to bottom (``training_step``):
+
+1. collect a rollout exactly as MAGRPO does (every agent samples G answers per node; a tree over turns);
+2. the critic values every node under no_grad, in one batched forward per critic:
+   - independent (IAC/IPPO): ``V_i(o_i)`` from a value head on agent i's own model (or a separate
+     critic model per agent), reading agent i's observation only;
+   - centralized (MAAC/MAPPO): one critic model reads every agent's observation, rendered as text,
+     and predicts ``V(s)`` for every agent at once; with ``critic_type='q'`` it also reads the joint
+     answer and predicts ``Q(s, a)``;
+3. TD(lambda) returns over turns (``tree_lambda_returns``) are the critic's targets; each completion's
+   advantage is its credited return minus ``V`` (or ``Q`` minus a COMA counterfactual baseline),
+   whitened per agent;
+4. each agent takes ``num_iterations`` epochs x ``num_mini_batches`` clipped PPO steps; a value head
+   on the agent's model trains in the same forward (``value_coef``); a separate critic takes the
+   same number of steps on its own samples — once per update, not once per agent.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from comarl.algorithms import (
+    aggregate_loss,
+    clipped_surrogate,
+    counterfactual_baseline,
+    cross_returns,
+    explained_variance,
+    kl_k3,
+    tree_lambda_returns,
+    value_loss,
+    whiten,
+)
+from comarl.config import ActorCriticConfig, ConfigError, IACConfig, IPPOConfig, MAACConfig, MAPPOConfig
+from comarl.critics import (
+    CriticModel,
+    ValueHead,
+    hidden_size,
+    joint_observation,
+    last_token_hidden,
+    policy_forward,
+)
+from comarl.engines import Generation
+from comarl.envs import prompt_text
+from comarl.rollout import Rollout
+from comarl.trainers.magrpo import MAGRPOTrainer, lr_lambda, rollout_metrics
+
+
+class ActorCriticTrainer(MAGRPOTrainer):
+    """Actor-critic over the MAGRPO rollout pipeline; the config chooses independent or centralized critics."""
+
+    config_class: type[ActorCriticConfig] = ActorCriticConfig
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        a, N = self.args, self.num_agents
+        self.value_heads: list[ValueHead] | None = None
+        self.critics: list[CriticModel] = []
+        if a.centralized_critic:
+            source = a.critic_model or self.team[0].source
+            if source is None:
+                raise ConfigError(
+                    "centralized_critic: set critic_model= (agent 0 was given as an object, not a path)"
+                )
+            self.critics = [CriticModel.from_pretrained(source, outputs=N, device=self.team[0].device)]
+        elif a.critic_model is not None:
+            self.critics = [
+                CriticModel.from_pretrained(a.critic_model, 1, agent.device) for agent in self.team
+            ]
+        else:
+            self.value_heads = [
+                ValueHead.load_or_new(_local_dir(agent.source), hidden_size(agent.model), 1).to(agent.device)
+                for agent in self.team
+            ]
+            # The head trains with its agent (same forward, same optimizer step), at the critic's learning rate.
+            self.optimizers = [
+                self._optimizer(agent, head) for agent, head in zip(self.team, self.value_heads)
+            ]
+            self.schedulers = [self._schedule(opt) for opt in self.optimizers]
+        self.critic_optimizers = [
+            torch.optim.AdamW(c.parameters(), lr=a.critic_learning_rate, betas=(a.adam_beta1, a.adam_beta2))
+            for c in self.critics
+        ]
+        self.shuffle_generator = torch.Generator().manual_seed(a.seed + 2)
+
+    # ------------------------------------------------------------------ one training step
+    def training_step(self, items: Sequence[Any]) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        args, N, G = self.args, self.num_agents, self.args.num_generations
+        t0 = time.perf_counter()
+        rollout = self._collect(items)
+        t1 = time.perf_counter()
+        metrics = rollout_metrics(rollout)
+
+        # Values of every node (Q: of every joint action) under the policy that collected the batch.
+        critic_inputs, old = self._critic_values(rollout)  # [nodes, N] or [nodes, K, N]
+        node_values = old.mean(dim=1) if args.critic_type == "q" else old
+        targets = tree_lambda_returns(
+            rollout.rewards, node_values, rollout.child, rollout.done, args.discount, args.gae_lambda
+        )  # [nodes, K, N]: what the critic learns
+
+        if args.critic_type == "q":  # b[n, k, i]: agent i's counterfactual baseline for joint action k
+            counterfactual = torch.stack(
+                [counterfactual_baseline(old[n], rollout.joint_index[n], G) for n in range(len(old))]
+            )
+        advantages, value_targets = [], []
+        for i in range(N):
+            joint_index = rollout.joint_index[:, :, i]
+            credited = torch.stack(
+                [cross_returns(targets[n, :, i], joint_index[n], G) for n in range(len(targets))]
+            )  # [nodes, G]
+            if args.critic_type == "q":
+                joint_adv = old[:, :, i] - counterfactual[:, :, i]
+                adv = torch.stack([cross_returns(joint_adv[n], joint_index[n], G) for n in range(len(old))])
+            else:
+                adv = credited - node_values[:, i : i + 1]
+            adv = adv.flatten()
+            advantages.append(whiten(adv) if args.whiten_advantages else adv)
+            value_targets.append(credited.flatten())
+
+        for i in range(N):
+            old_values = node_values[:, i].repeat_interleave(G)
+            stats = self.update_actor(i, rollout.generations[i], advantages[i], value_targets[i], old_values)
+            stats["explained_variance"] = explained_variance(old_values, value_targets[i])
+            metrics.update({f"agent_{i}/{k}": v for k, v in stats.items()})
+        for c in range(len(self.critics)):
+            agent = None if args.centralized_critic else c
+            samples, sample_targets, sample_old = self._critic_samples(critic_inputs[c], targets, old, agent)
+            prefix = "critic" if args.centralized_critic else f"critic_{c}"
+            stats = self.update_critic(c, samples, sample_targets, sample_old)
+            metrics.update({f"{prefix}/{k}": v for k, v in stats.items()})
+        t2 = time.perf_counter()
+        completions = sum(len(g.completions) for g in rollout.generations)
+        metrics.update(
+            {
+                "time/generate": rollout.generate_seconds,
+                "time/environment": t1 - t0 - rollout.generate_seconds,
+                "time/update": t2 - t1,
+                "time/step": t2 - t0,
+                "completions_per_s": completions / (t2 - t0),
+            }
+        )
+        return metrics, self._samples(items, rollout, advantages)
+
+    # ------------------------------------------------------------------ actor (and value head) update
+    def update_actor(
+        self,
+        i: int,
+        gen: Generation,
+        advantages: torch.Tensor,
+        value_targets: torch.Tensor,
+        old_values: torch.Tensor,
+    ) -> dict[str, float]:
+        """``num_iterations`` epochs of ``num_mini_batches`` clipped steps for agent ``i`` (and its value head)."""
+        args, agent, optimizer = self.args, self.team[i], self.optimizers[i]
+        head = self.value_heads[i] if self.value_heads is not None else None
+        device = agent.device
+        advantages, value_targets, old_values = (
+            t.to(device) for t in (advantages, value_targets, old_values)
+        )
+        M = gen.completion_ids.shape[0]
+        micro = args.micro_batch_size or M
+        reused = args.num_iterations * args.num_mini_batches > 1
+        old_logp = (
+            self._logprobs(agent, gen, [slice(s, s + micro) for s in range(0, M, micro)]) if reused else None
+        )
+        ref = (
+            self._logprobs(agent, gen, [slice(s, s + micro) for s in range(0, M, micro)], self.references[i])
+            if self.references is not None
+            else None
+        )
+        for _ in range(args.num_iterations):
+            totals = dict.fromkeys(("loss", "value_loss", "clip_fraction", "approx_kl", "entropy", "kl"), 0.0)
+            for rows in self._mini_batches(M):
+                size, tokens = len(rows), int(gen.completion_mask[rows].sum())
+                for mb in rows.split(micro):
+                    mask = gen.completion_mask[mb]
+                    with self._autocast(device):
+                        logp, entropy, values = policy_forward(
+                            agent.model,
+                            head,
+                            gen.prompt_ids[mb],
+                            gen.prompt_mask[mb],
+                            gen.completion_ids[mb],
+                            mask,
+                            args.temperature,
+                            with_entropy=True,
+                            entropy_grad=args.entropy_coef > 0,
+                        )
+                    behaviour = logp.detach() if old_logp is None else old_logp[mb]
+                    per_token, clipped = clipped_surrogate(
+                        logp, behaviour, advantages[mb], args.epsilon, args.epsilon_high
+                    )
+                    if args.entropy_coef > 0:
+                        per_token = per_token - args.entropy_coef * entropy
+                    if ref is not None:
+                        kl = kl_k3(logp, ref[mb])
+                        per_token = per_token + args.beta * kl
+                        totals["kl"] += float((kl.detach() * mask).sum()) / max(tokens, 1)
+                    loss = aggregate_loss(
+                        per_token, mask, args.loss_aggregation, size, tokens, args.max_new_tokens
+                    )
+                    if head is not None:
+                        v_loss = (
+                            value_loss(values[:, 0], old_values[mb], value_targets[mb], args.value_clip).sum()
+                            / size
+                        )
+                        loss = loss + args.value_coef * v_loss
+                        totals["value_loss"] += float(v_loss.detach())
+                    loss.backward()
+                    with torch.no_grad():
+                        scored = mask.float()
+                        totals["loss"] += float(loss.detach())
+                        totals["clip_fraction"] += float((clipped * scored).sum()) / max(tokens, 1)
+                        totals["approx_kl"] += float((kl_k3(logp.detach(), behaviour) * scored).sum()) / max(
+                            tokens, 1
+                        )
+                        totals["entropy"] += float((entropy.detach() * scored).sum()) / max(tokens, 1)
+                grad_norm = self._step(optimizer, agent.model.parameters(), head)
+                self.schedulers[i].step()
+            # metrics: averages over the mini-batches of the last epoch
+            totals = {k: v / args.num_mini_batches for k, v in totals.items()}
+        if head is None:
+            totals.pop("value_loss")
+        if ref is None:
+            totals.pop("kl")
+        return {
+            **totals,
+            "grad_norm": grad_norm,
+            "lr": self.schedulers[i].get_last_lr()[0],
+            "completion_length": gen.num_tokens / M,
+            "advantage_abs": float(advantages.abs().mean()),
+            "value_mean": float(old_values.mean()),
+        }
+
+    # ------------------------------------------------------------------ separate critic update
+    def update_critic(
+        self,
+        c: int,
+        samples: tuple[torch.Tensor, torch.Tensor],
+        targets: torch.Tensor,
+        old_values: torch.Tensor,
+    ) -> dict[str, float]:
+        """``num_iterations`` epochs x ``num_mini_batches`` steps of critic ``c`` on its samples (once per update)."""
+        args, critic, optimizer = self.args, self.critics[c], self.critic_optimizers[c]
+        ids, mask = samples
+        targets, old_values = targets.to(critic.device), old_values.to(critic.device)
+        S = ids.shape[0]
+        micro = args.micro_batch_size or S
+        for _ in range(args.num_iterations):
+            total = 0.0
+            for rows in self._mini_batches(S):
+                for mb in rows.split(micro):
+                    with self._autocast(critic.device):
+                        values = critic(ids[mb], mask[mb])
+                    loss = value_loss(values, old_values[mb], targets[mb], args.value_clip).mean(
+                        dim=1
+                    ).sum() / len(rows)
+                    loss.backward()
+                    total += float(loss.detach())
+                grad_norm = self._step(optimizer, critic.parameters(), None)
+        return {
+            "value_loss": total / args.num_mini_batches,
+            "grad_norm": grad_norm,
+            "explained_variance": explained_variance(old_values.flatten(), targets.flatten()),
+            "value_mean": float(old_values.mean()),
+        }
+
+    # ------------------------------------------------------------------ values under no_grad
+    @torch.no_grad()
+    def _critic_values(self, rollout: Rollout) -> tuple[list[Any], torch.Tensor]:
+        """The critics' inputs (kept for their update) and values of every node: ``[nodes, N]`` (Q: ``[nodes, K, N]``)."""
+        args, N, G = self.args, self.num_agents, self.args.num_generations
+        nodes = len(rollout.states)
+        roots = torch.arange(nodes) * G  # row of each node's first sample: its prompt
+        if self.value_heads is not None:
+            values = torch.stack(
+                [
+                    self._batched(
+                        lambda ids, mask, i=i: self.value_heads[i](
+                            last_token_hidden(self.team[i].model, ids, mask)
+                        ),
+                        rollout.generations[i].prompt_ids[roots],
+                        rollout.generations[i].prompt_mask[roots],
+                        self.team[i].device,
+                    )[:, 0]
+                    for i in range(N)
+                ],
+                dim=1,
+            )
+            return [], values
+        observations = [[prompt_text(obs) for obs in state[1]] for state in rollout.states]
+        if not args.centralized_critic:
+            inputs = [self.critics[i].encode([obs[i] for obs in observations]) for i in range(N)]
+            values = torch.stack(
+                [self._batched(self.critics[i], *inputs[i], self.critics[i].device)[:, 0] for i in range(N)],
+                dim=1,
+            )
+            return inputs, values
+        critic = self.critics[0]
+        if args.critic_type == "v":
+            inputs = critic.encode([joint_observation(obs) for obs in observations])
+            return [inputs], self._batched(critic, *inputs, critic.device)
+        texts = []
+        for n, obs in enumerate(observations):
+            for joint in rollout.joint_index[n]:
+                answers = [rollout.generations[i].completions[n * G + int(joint[i])] for i in range(N)]
+                texts.append(joint_observation(obs, answers))
+        inputs = critic.encode(texts)
+        return [inputs], self._batched(critic, *inputs, critic.device).view(nodes, -1, N)
+
+    def _critic_samples(
+        self,
+        inputs: tuple[torch.Tensor, torch.Tensor],
+        targets: torch.Tensor,
+        old: torch.Tensor,
+        agent: int | None,
+    ) -> tuple[tuple[torch.Tensor, torch.Tensor], torch.Tensor, torch.Tensor]:
+        """A separate critic's training samples: one per node for V (target: mean over its joint actions), one per
+        joint action for Q."""
+        if self.args.critic_type == "q":
+            N = targets.shape[-1]
+            return inputs, targets.reshape(-1, N), old.reshape(-1, N)
+        node_targets = targets.mean(dim=1)  # regressing on each joint action's target = on their mean
+        if agent is not None:
+            return inputs, node_targets[:, agent : agent + 1], old[:, agent : agent + 1]
+        return inputs, node_targets, old
+
+    def _batched(self, fn: Any, ids: torch.Tensor, mask: torch.Tensor, device: torch.device) -> torch.Tensor:
+        """``fn(ids, mask)`` over micro-batches (one forward when micro_batch_size is None), on the CPU."""
+        step = self.args.micro_batch_size or ids.shape[0]
+        parts = []
+        for s in range(0, ids.shape[0], step):
+            with self._autocast(device):
+                parts.append(fn(ids[s : s + step].to(device), mask[s : s + step].to(device)).float().cpu())
+        return torch.cat(parts)
+
+    # ------------------------------------------------------------------ helpers
+    def _mini_batches(self, count: int) -> list[torch.Tensor]:
+        """A seeded shuffle of ``range(count)`` cut into ``num_mini_batches`` parts (all of them when 1)."""
+        order = torch.randperm(count, generator=self.shuffle_generator)
+        return list(order.tensor_split(self.args.num_mini_batches))
+
+    def _step(self, optimizer: torch.optim.Optimizer, params: Any, head: ValueHead | None) -> float:
+        params = [p for p in params if p.requires_grad] + ([] if head is None else list(head.parameters()))
+        max_norm = self.args.max_grad_norm if self.args.max_grad_norm is not None else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        return grad_norm
+
+    def _optimizer(self, agent: Any, head: ValueHead | None = None) -> torch.optim.Optimizer:
+        optimizer = super()._optimizer(agent)
+        if head is not None:
+            optimizer.add_param_group(
+                {"params": list(head.parameters()), "lr": self.args.critic_learning_rate}
+            )
+        return optimizer
+
+    def _schedule(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+        a = self.args
+        total = self.total_steps * a.num_iterations * a.num_mini_batches
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(a, total))
+
+    def save_model(self, output_dir: str | Path) -> None:
+        """Agents as ``agent_i/`` (with ``value_head.pt`` when the critic is a head), critics as ``critic/``
+        (centralized) or ``critic_i/``; each folder loads back with ``critic_model=`` / as an agent source."""
+        super().save_model(output_dir)
+        for i, head in enumerate(self.value_heads or []):
+            head.save(Path(output_dir) / f"agent_{i}")
+        for c, critic in enumerate(self.critics):
+            critic.save(Path(output_dir) / ("critic" if self.args.centralized_critic else f"critic_{c}"))
+
+
+class IACTrainer(ActorCriticTrainer):
+    """IAC: independent actor-critic (IACConfig): each agent's own critic, one update per batch."""
+
+    config_class = IACConfig
+
+
+class MAACTrainer(ActorCriticTrainer):
+    """MAAC: actor-critic with a centralized critic over every agent's observation (MAACConfig)."""
+
+    config_class = MAACConfig
+
+
+class IPPOTrainer(ActorCriticTrainer):
+    """IPPO: PPO with independent critics (IPPOConfig)."""
+
+    config_class = IPPOConfig
+
+
+class MAPPOTrainer(ActorCriticTrainer):
+    """MAPPO: PPO with a centralized critic (MAPPOConfig)."""
+
+    config_class = MAPPOConfig
+
+
+def _local_dir(source: str | None) -> str | None:
+    """A saved agent folder, where a value head may have been saved with it; None for hub ids and objects."""
+    return source if source is not None and Path(source).is_dir() else None

@@ -1,0 +1,377 @@
+"""The critic family (IAC, MAAC, IPPO, MAPPO): TD(lambda) by hand, critic losses, update counts, saving, learning."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from comarl import (
+    ConfigError,
+    IACConfig,
+    IACTrainer,
+    IPPOConfig,
+    IPPOTrainer,
+    MAACConfig,
+    MAACTrainer,
+    MAPPOConfig,
+    MAPPOTrainer,
+)
+from comarl.algorithms import (
+    counterfactual_baseline,
+    explained_variance,
+    token_entropy,
+    tree_lambda_returns,
+    value_loss,
+    whiten,
+)
+from comarl.critics import VALUE_HEAD_FILE, last_token_hidden, policy_forward
+from comarl.tasks import demo, relay
+
+# ----------------------------------------------------------------------------- TD(lambda) / GAE by hand
+
+# A chain of three turns (K = 1 joint action per node, one agent): rewards 1, 0, 2; values 0.5, 1.0, 1.5.
+CHAIN = {
+    "rewards": torch.tensor([[[1.0]], [[0.0]], [[2.0]]]),
+    "values": torch.tensor([[0.5], [1.0], [1.5]]),
+    "child": torch.tensor([[1], [2], [-1]]),
+    "done": torch.tensor([[False], [False], [False]]),  # the last node ends at the turn limit
+}
+
+
+@pytest.mark.parametrize(
+    ("lam", "expected"),
+    [
+        # GAE, gamma 0.9, lambda 0.5: delta = [1 + .9*1 - .5, 0 + .9*1.5 - 1, 2 - 1.5] = [1.4, .35, .5]
+        # A2 = .5; A1 = .35 + .45*.5 = .575; A0 = 1.4 + .45*.575 = 1.65875; G = A + V
+        (0.5, [2.15875, 1.575, 2.0]),
+        (0.0, [1.0 + 0.9 * 1.0, 0.0 + 0.9 * 1.5, 2.0]),  # one-step TD targets r + gamma V(next)
+        (1.0, [1.0 + 0.9 * 1.8, 0.9 * 2.0, 2.0]),  # Monte-Carlo returns, the values play no part
+    ],
+)
+def test_lambda_returns_on_a_chain_are_gae_by_hand(lam, expected):
+    got = tree_lambda_returns(**CHAIN, discount=0.9, lam=lam)
+    assert torch.allclose(got.flatten(), torch.tensor(expected))
+
+
+def test_lambda_returns_on_a_tree_average_the_children_and_bootstrap_pruned_branches():
+    # Root: joint action 0 -> node 1 (rewards 1 and 3, last turn); joint action 1 ends (done) with 5.
+    rewards = torch.tensor([[[2.0], [5.0]], [[1.0], [3.0]]])
+    values = torch.tensor([[0.0], [4.0]])
+    child = torch.tensor([[1, -1], [-1, -1]])
+    got = tree_lambda_returns(rewards, values, child, torch.tensor([[False, True], [False, False]]), 0.5, 0.5)
+    # node 1: G = r = [1, 3], mean 2; root action 0: 2 + .5 * (.5 * V1 + .5 * 2) = 2 + .5 * 3 = 3.5
+    assert got[:, :, 0].tolist() == [[3.5, 5.0], [1.0, 3.0]]
+    # the same action 1 not done but left out of the budget: bootstrapped like its expanded sibling
+    pruned = tree_lambda_returns(
+        rewards, values, child, torch.tensor([[False, False], [False, False]]), 0.5, 0.5
+    )
+    assert pruned[0, 1, 0] == 5.0 + 0.5 * 3.0
+
+
+def test_counterfactual_baseline_keeps_partners_and_averages_own_other_answers():
+    # N = 2, G = 2: joint actions (0,0), (0,1), (1,0), (1,1); Q of agent 0 and of agent 1.
+    joint = torch.tensor([[0, 0], [0, 1], [1, 0], [1, 1]])
+    q = torch.tensor([[1.0, 10.0], [2.0, 20.0], [3.0, 30.0], [4.0, 40.0]])
+    # agent 0 at (0,0): its other answer with partner 0 -> (1,0): 3; agent 1 at (0,0): (0,1): 20
+    expected = torch.tensor([[3.0, 20.0], [4.0, 10.0], [1.0, 40.0], [2.0, 30.0]])
+    assert torch.equal(counterfactual_baseline(q, joint, 2), expected)
+    order = torch.tensor([2, 0, 3, 1])  # any order of the joint actions gives the same baselines
+    assert torch.equal(counterfactual_baseline(q[order], joint[order], 2), expected[order])
+    with pytest.raises(ValueError, match=r"needs all G\^N = 4 joint actions"):
+        counterfactual_baseline(q[:3], joint[:3], 2)
+
+
+def test_counterfactual_baseline_with_three_samples_is_the_mean_of_the_other_two():
+    joint = torch.tensor([[a, b] for a in range(3) for b in range(3)])
+    q = torch.arange(9, dtype=torch.float32).unsqueeze(1).repeat(1, 2)  # Q = 3a + b for both agents
+    base = counterfactual_baseline(q, joint, 3)
+    # joint (1, 2): agent 0's others are a = 0, 2 -> (2 + 8) / 2 = 5; agent 1's others b = 0, 1 -> (3 + 4) / 2
+    k = 1 * 3 + 2
+    assert base[k].tolist() == [5.0, 3.5]
+
+
+def test_value_loss_clipping_by_hand():
+    values, old, targets = (
+        torch.tensor([1.5, 0.5, 2.5]),
+        torch.tensor([1.0, 1.0, 2.0]),
+        torch.tensor([2.0, 0.0, 0.0]),
+    )
+    # unclipped (V - y)^2 = [.25, .25, 6.25]; clipped V = [1.2, .8, 2.2] -> [.64, .64, 4.84]; half the max
+    assert torch.allclose(value_loss(values, old, targets, 0.2), torch.tensor([0.32, 0.32, 3.125]))
+    assert torch.allclose(value_loss(values, old, targets, None), torch.tensor([0.125, 0.125, 3.125]))
+
+
+def test_entropy_whitening_and_explained_variance():
+    assert torch.allclose(token_entropy(torch.zeros(1, 1, 4)), torch.tensor(math.log(4)))
+    assert torch.allclose(token_entropy(torch.tensor([[[0.0, math.log(3.0)]]])), torch.tensor(0.5623351446))
+    white = whiten(torch.tensor([1.0, 2.0, 3.0, 6.0]))
+    assert abs(float(white.mean())) < 1e-6 and abs(float(white.std()) - 1) < 1e-6
+    y = torch.tensor([1.0, 2.0, 3.0])
+    assert explained_variance(y, y) == 1.0
+    assert explained_variance(torch.full((3,), 2.0), y) == 0.0
+    assert math.isnan(explained_variance(y, torch.ones(3)))
+
+
+# ----------------------------------------------------------------------------- configs
+
+
+def test_config_defaults_and_errors():
+    assert (IACConfig().centralized_critic, MAACConfig().centralized_critic) == (False, True)
+    ppo = MAPPOConfig()
+    assert (ppo.num_iterations, ppo.num_mini_batches, ppo.value_clip, ppo.centralized_critic) == (
+        4,
+        2,
+        0.2,
+        True,
+    )
+    with pytest.raises(ConfigError, match="baseline='group_mean': actor-critic trainers use the critic"):
+        IACConfig(baseline="group_mean")
+    with pytest.raises(ConfigError, match="critic_type='q' needs centralized_critic=True"):
+        IACConfig(critic_type="q")
+    with pytest.raises(
+        ConfigError, match="critic_type='q' needs joint_mode='cross' without max_joint_actions"
+    ):
+        MAACConfig(critic_type="q")
+    with pytest.raises(ConfigError, match=r"num_mini_batches=3: must divide .* 4 x 4 = 16"):
+        IPPOConfig(num_mini_batches=3)
+    with pytest.raises(
+        ConfigError, match=r"micro_batch_size=8: must divide the completions of one mini-batch"
+    ):
+        IPPOConfig(prompts_per_step=2, num_generations=4, num_mini_batches=2, micro_batch_size=8)
+    with pytest.raises(ConfigError, match=r"gae_lambda=1.5: must be in \[0, 1\]"):
+        IPPOConfig(gae_lambda=1.5)
+
+
+# ----------------------------------------------------------------------------- trainers on tiny models
+
+
+@pytest.fixture(scope="module")
+def team(tmp_path_factory):
+    return [str(p) for p in demo.build_team(tmp_path_factory.mktemp("ac") / "models")]
+
+
+def _trainer(cls, config_cls, paths, **overrides):
+    settings = dict(
+        max_steps=1,
+        prompts_per_step=2,
+        num_generations=4,
+        joint_mode="cross",
+        max_new_tokens=3,
+        learning_rate=1e-3,
+        critic_learning_rate=1e-3,
+        reward_call="batched",
+        success_threshold=1.0,
+        progress_bar=False,
+        seed=0,
+    )
+    settings.update(overrides)
+    return cls(
+        agents=paths,
+        train_dataset=demo.dataset(),
+        eval_dataset=demo.dataset(),
+        reward_func=demo.meeting_reward,
+        formatters=[demo.formatter(0), demo.formatter(1)],
+        args=config_cls(**settings),
+    )
+
+
+def _count_steps(optimizer):
+    calls = []
+    optimizer.register_step_post_hook(lambda opt, args, kwargs: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize(
+    ("cls", "config_cls", "per_update"), [(MAACTrainer, MAACConfig, 1), (MAPPOTrainer, MAPPOConfig, 8)]
+)
+def test_centralized_critic_steps_once_per_update_not_once_per_agent(team, cls, config_cls, per_update):
+    trainer = _trainer(cls, config_cls, team)
+    assert len(trainer.critics) == 1 and trainer.value_heads is None
+    critic_steps = _count_steps(trainer.critic_optimizers[0])
+    agent_steps = [_count_steps(opt) for opt in trainer.optimizers]
+    trainer.train()
+    # num_iterations x num_mini_batches: MAAC 1 x 1, MAPPO 4 x 2 — for the team, whatever its size
+    assert len(critic_steps) == per_update
+    assert [len(s) for s in agent_steps] == [per_update, per_update]
+
+
+@pytest.mark.parametrize(
+    ("cls", "config_cls", "overrides"),
+    [
+        (IPPOTrainer, IPPOConfig, {"entropy_coef": 0.01}),
+        # Q starts at 0, so the first step's advantages are all 0: the actors move from the second step on
+        (MAACTrainer, MAACConfig, {"critic_type": "q", "max_steps": 2}),
+    ],
+)
+def test_every_actor_and_critic_parameter_changes(team, cls, config_cls, overrides):
+    trainer = _trainer(cls, config_cls, team, **overrides)
+    modules = [a.model for a in trainer.team] + list(trainer.value_heads or []) + list(trainer.critics)
+    before = [[p.detach().clone() for p in m.parameters()] for m in modules]
+    metrics = trainer.train()
+    for m, saved in zip(modules, before):
+        for (name, p), old in zip(m.named_parameters(), saved):
+            assert not torch.equal(p, old), f"{type(m).__name__}.{name} did not change"
+    expected = ("value_loss", "explained_variance", "clip_fraction", "approx_kl", "entropy")
+    prefix = "agent_0/" if cls is IPPOTrainer else "critic/"
+    assert all(f"{prefix}{k}" in metrics or f"agent_0/{k}" in metrics for k in expected)
+    assert all(math.isfinite(metrics[f"agent_{i}/entropy"]) for i in range(2))
+
+
+def test_entropy_bonus_alone_raises_the_policy_entropy(team):
+    """A constant reward and a zero critic give equal advantages, which whiten to zero: only the entropy term
+    moves the policy (a separate critic, so that no value loss reaches the actor's weights)."""
+
+    def mean_entropy(trainer, gen):
+        with torch.no_grad():
+            _, entropy, _ = policy_forward(
+                trainer.team[0].model,
+                None,
+                gen.prompt_ids,
+                gen.prompt_mask,
+                gen.completion_ids,
+                gen.completion_mask,
+                with_entropy=True,
+            )
+        return float((entropy * gen.completion_mask).sum() / gen.completion_mask.sum())
+
+    results = {}
+    for coef in (0.0, 1.0):
+        trainer = IPPOTrainer(
+            agents=team,
+            train_dataset=demo.dataset(),
+            reward_func=lambda a, b: [0.5] * len(a),
+            formatters=[demo.formatter(0), demo.formatter(1)],
+            args=IPPOConfig(
+                max_steps=1,
+                critic_model=team[0],
+                prompts_per_step=2,
+                num_generations=4,
+                max_new_tokens=3,
+                learning_rate=1e-2,
+                entropy_coef=coef,
+                reward_call="batched",
+                progress_bar=False,
+                seed=0,
+            ),
+        )
+        gen = trainer.engine.generate(
+            trainer.team[0], [demo.formatter(0)(demo.dataset()[0])], 8, trainer._sampling()
+        )
+        before = mean_entropy(trainer, gen)
+        trainer.train()
+        results[coef] = mean_entropy(trainer, gen) - before
+    assert results[0.0] == pytest.approx(0.0, abs=1e-5)  # zero advantages, no bonus: the policy does not move
+    assert results[1.0] > 0.01
+
+
+def test_value_head_reads_the_last_prompt_token_in_the_policy_forward(team):
+    trainer = _trainer(IACTrainer, IACConfig, team)
+    agent, head = trainer.team[0], trainer.value_heads[0]
+    torch.nn.init.normal_(head.linear.weight)
+    gen = trainer.engine.generate(
+        agent, ["alice is in oslo .", "bob is in lima . where"], 2, trainer._sampling()
+    )
+    with torch.no_grad():
+        _, _, values = policy_forward(
+            agent.model, head, gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask
+        )
+        alone = head(last_token_hidden(agent.model, gen.prompt_ids, gen.prompt_mask))
+        logp = agent.completion_logprobs(
+            gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask
+        )
+        ours, _, _ = policy_forward(
+            agent.model, None, gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask
+        )
+    assert torch.allclose(values, alone, atol=1e-5)  # the value of the state: prompt only
+    assert torch.allclose(ours, logp, atol=1e-5)  # the same log-probs as the policy's own forward
+
+
+def test_critics_and_value_heads_save_and_load(team, tmp_path):
+    iac = _trainer(IACTrainer, IACConfig, team)
+    iac.train()
+    iac.save_model(tmp_path / "iac")
+    assert (tmp_path / "iac" / "agent_1" / VALUE_HEAD_FILE).is_file()
+    again = _trainer(IACTrainer, IACConfig, [str(tmp_path / "iac" / f"agent_{i}") for i in range(2)])
+    for old, new in zip(iac.value_heads, again.value_heads):
+        assert torch.equal(old.linear.weight, new.linear.weight) and bool(new.linear.weight.abs().sum() > 0)
+
+    maac = _trainer(MAACTrainer, MAACConfig, team)
+    maac.train()
+    maac.save_model(tmp_path / "maac")
+    resumed = _trainer(MAACTrainer, MAACConfig, team, critic_model=str(tmp_path / "maac" / "critic"))
+    texts = ["agent 0 sees: a\nagent 1 sees: b"]
+    with torch.no_grad():
+        assert torch.equal(
+            maac.critics[0](*maac.critics[0].encode(texts)),
+            resumed.critics[0](*resumed.critics[0].encode(texts)),
+        )
+
+
+# ----------------------------------------------------------------------------- learning (seeded)
+
+
+def _demo_trainer(cls, config_cls, paths, steps):
+    return _trainer(cls, config_cls, paths, max_steps=steps, prompts_per_step=6, num_generations=12, seed=0)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("cls", "config_cls"), [(MAACTrainer, MAACConfig), (MAPPOTrainer, MAPPOConfig)])
+def test_centralized_critic_team_learns_the_demo_game(team, cls, config_cls):
+    trainer = _demo_trainer(cls, config_cls, team, steps=150)
+    trainer.train()
+    assert trainer.evaluate()["eval/success"] >= 0.9
+
+
+@pytest.mark.slow
+def test_critic_bootstraps_over_two_turns_on_the_relay_game(tmp_path):
+    """gae_lambda=0: a first-turn answer is judged only by r + gamma * V(second-turn state) — the critic must learn
+    the second turn's value for the first turn to improve."""
+    paths = [str(p) for p in relay.build_team(tmp_path / "models")]
+    args = MAACConfig(
+        max_steps=250,
+        prompts_per_step=6,
+        num_generations=8,
+        joint_mode="cross",
+        max_joint_actions=16,
+        max_children=4,
+        num_turns=2,
+        gae_lambda=0.0,
+        max_new_tokens=3,
+        learning_rate=1e-3,
+        critic_learning_rate=1e-3,
+        reward_call="batched",
+        success_threshold=1.0,
+        seed=0,
+        progress_bar=False,
+    )
+    trainer = MAACTrainer(
+        agents=paths,
+        train_dataset=relay.dataset(),
+        eval_dataset=relay.dataset(),
+        reward_func=relay.meeting_reward,
+        formatters=[relay.formatter(0), relay.formatter(1)],
+        transition=relay.relay_transition,
+        args=args,
+    )
+    trainer.train()
+    result = trainer.evaluate()
+    assert result["eval/success"] >= 0.9
+
+
+def test_cli_trains_mappo_from_yaml_and_saves_the_critic(tmp_path, capsys):
+    import json
+
+    from comarl.cli import main
+
+    spec = tmp_path / "run.yaml"
+    spec.write_text(
+        "trainer: mappo\ntask: demo\nargs:\n  max_steps: 1\n  progress_bar: false\n  prompts_per_step: 2\n"
+        "  num_generations: 2\n  reward_call: batched\n  success_threshold: 1.0\n  num_iterations: 2\n"
+    )
+    out = tmp_path / "out"
+    assert main(["train", str(spec), "--set", f"output_dir={out}"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert "critic/value_loss" in printed and "agent_1/approx_kl" in printed
+    assert (out / "agents" / "critic" / VALUE_HEAD_FILE).is_file()
