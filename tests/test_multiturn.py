@@ -372,3 +372,9 @@ def test_multi_turn_eval_plays_independent_episodes(qwen_bpe):
     result = trainer.evaluate(ITEMS, num_generations=3, do_sample=True)
     assert calls == [(2 * 3, 1)] * (2 * 3)  # 3 turns x 2 agents, each over 2 items x 3 episodes
     assert "eval/turn_3/reward" in result
+
+
+def test_environment_and_trainer_turn_limits_must_agree(qwen_bpe):
+    env = env_with(always_continue, num_turns=3)
+    with pytest.raises(ConfigError, match=r"env.num_turns=3 but args.num_turns=1: set the trainer's num_turns"):
+        MAGRPOTrainer(model=qwen_bpe, train_dataset=ITEMS, env=env, args=MAGRPOConfig(prompts_per_step=1))

@@ -39,6 +39,11 @@ _EXPORTS = {
     "evaluate_task": "comarl.evaluation",
     "pass_at_k": "comarl.evaluation",
     "WritingEnv": "comarl.tasks.writing",
+    "CodeEnv": "comarl.tasks.code",
+    "SandboxLimits": "comarl.sandbox",
+    "SandboxPool": "comarl.sandbox",
+    "RunResult": "comarl.sandbox",
+    "run_python": "comarl.sandbox",
     "HFEngine": "comarl.engines",
     "SamplingParams": "comarl.engines",
 }

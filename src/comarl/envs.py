@@ -61,6 +61,8 @@ class Env:
     """Base class of Dec-POMDP environments over dataset items. Subclass and implement reset/step."""
 
     num_agents: int = 1
+    # The environment's own turn limit, when it has one; the trainer's num_turns must then agree.
+    num_turns: int | None = None
 
     def reset(self, item: Item) -> list[str]:
         """Start an episode on ``item``; return one observation (prompt) per agent."""

@@ -114,6 +114,11 @@ class MAGRPOTrainer:
             raise ConfigError("give either env= or reward_func=/formatters=/transition=, not both")
         if getattr(env, "num_agents", n) != n:
             raise ConfigError(f"env.num_agents={env.num_agents} but the team has {n} agents")
+        if getattr(env, "num_turns", None) not in (None, args.num_turns):
+            raise ConfigError(
+                f"env.num_turns={env.num_turns} but args.num_turns={args.num_turns}: set the trainer's num_turns to "
+                "the environment's turn limit"
+            )
         self.env = env
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.num_agents = n
