@@ -156,27 +156,24 @@ def _episode_records(rollout: Rollout, num_agents: int) -> list[dict[str, Any]]:
     """One record per episode of a rollout, root by root and, within a root, joint action by joint action.
 
     Single-turn rollouts have ``K`` aligned joint actions per root, one episode each. Multi-turn
-    rollouts are played with one sample per node (``K = 1``), so each root grows a chain: ``collect``
-    appends the children of turn ``t + 1`` in the order of their open parents at turn ``t``, which is
-    how a chain's nodes are found here. Reward is the team's return from the root; success and
-    components are those of the episode's last step.
+    rollouts are played with one sample per node (``K = 1``), so each root grows a chain, followed
+    through ``rollout.child``. Reward is the team's return from the root; success and components
+    are those of the episode's last step.
     """
     depth = rollout.depth.tolist()
     num_nodes, K = rollout.joint_index.shape[0], rollout.joint_index.shape[1]
     G = len(rollout.generations[0].completions) // num_nodes
-    roots = [m for m in range(num_nodes) if depth[m] == 0]
-    chains = {root: [root] for root in roots}
-    owner = {root: root for root in roots}
     if max(depth) > 0 and K != 1:
         raise ValueError(
             "_episode_records: multi-turn rollouts must be played with one sample per node (K = 1)"
         )
-    for t in range(max(depth)):
-        parents = [m for m in range(num_nodes) if depth[m] == t and not bool(rollout.terminal[m, 0])]
-        children = [m for m in range(num_nodes) if depth[m] == t + 1]
-        for parent, child in zip(parents, children, strict=True):
-            owner[child] = owner[parent]
-            chains[owner[child]].append(child)
+    roots = [m for m in range(num_nodes) if depth[m] == 0]
+    chains = {}
+    for root in roots:
+        chain = [root]
+        while int(rollout.child[chain[-1], 0]) >= 0:
+            chain.append(int(rollout.child[chain[-1], 0]))
+        chains[root] = chain
 
     records = []
     for root in roots:
