@@ -434,3 +434,30 @@ def test_training_steps_with_a_tiny_team(tmp_path):
     assert metrics["reward/total"] == pytest.approx(metrics["reward"])
     assert metrics["reward/syntax"] == 1.0 and metrics["reward/defined"] == 1.0
     assert "agent_0/loss" in metrics and "agent_1/loss" in metrics
+
+
+@pytest.mark.parametrize("name", ["humaneval_coder3b.yaml", "writing_tldr.yaml"])
+def test_example_run_specs_are_valid(name):
+    from pathlib import Path
+
+    from comarl.config import load_run_spec
+
+    spec = load_run_spec(Path(__file__).parent.parent / "examples" / name, [])
+    assert spec.task in ("code", "writing") and spec.trainer_args().max_new_tokens >= 160
+
+
+def test_cli_trains_a_tiny_team_on_humaneval(tmp_path, capsys):
+    import json
+
+    from comarl.cli import main
+
+    paths = code.build_team(tmp_path / "team", seed=0)
+    spec = tmp_path / "run.yaml"
+    spec.write_text(
+        f"task: code\nagents: [{paths[0]}, {paths[1]}]\n"
+        "args: {max_steps: 1, prompts_per_step: 2, num_generations: 2, max_new_tokens: 8, progress_bar: false, "
+        "eval_num_samples: 2}\n"
+    )
+    assert main(["train", str(spec)]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert {"reward/syntax", "reward/tests", "eval/reward/total"} <= set(printed)

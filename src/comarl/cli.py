@@ -132,6 +132,21 @@ def _train(spec: RunSpec) -> int:
             formatters=[demo.formatter(0), demo.formatter(1)],
             args=args,
         )
+    elif spec.task in ("code", "writing"):
+        from comarl.evaluation import task_protocol
+
+        task = task_protocol(spec.task)
+        source = spec.source or task.default_source
+        num_agents = len(spec.agents) if spec.agents else spec.num_agents
+        trainer = trainer_cls(
+            model=spec.model,
+            agents=spec.agents,
+            num_agents=None if spec.agents else spec.num_agents,
+            train_dataset=task.load_items("train", source),
+            eval_dataset=task.load_items("eval", source),
+            env=task.make_env(num_agents, args.num_turns),
+            args=args,
+        )
     else:
         column = spec.prompt_column
         trainer = trainer_cls(

@@ -557,6 +557,7 @@ def config_help(config_cls: type) -> dict[str, str]:
 # ---------------------------------------------------------------------------- run specs (YAML / CLI)
 
 TRAINERS = ("magrpo", "mareinforce", "marloo", "maremax", "iac", "maac", "ippo", "mappo")
+TASKS = ("demo", "function", "code", "writing")
 
 
 @dataclass
@@ -572,15 +573,19 @@ class RunSpec:
     eval_dataset: str | None = None
     reward_funcs: list[str] | None = None
     prompt_column: str = "prompt"
+    source: str | None = None  # code / writing: the data source (default: humaneval / local)
     args: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.trainer not in TRAINERS:
             raise ConfigError(f"trainer={self.trainer!r}: choose one of {list(TRAINERS)}")
-        if self.task not in ("demo", "function"):
+        if self.task not in TASKS:
             raise ConfigError(
-                f"task={self.task!r}: choose 'demo' or 'function' (a dataset plus reward_funcs)"
+                f"task={self.task!r}: choose 'demo', 'function' (a dataset plus reward_funcs), 'code' (HumanEval "
+                "helper + main) or 'writing'"
             )
+        if self.task in ("code", "writing") and not self.model and not self.agents:
+            raise ConfigError(f"task={self.task!r} needs model: (a hub id or path) or agents: [...]")
         if self.task == "function":
             if not self.dataset:
                 raise ConfigError("task='function' needs dataset: a .json/.jsonl path or a datasets hub name")
