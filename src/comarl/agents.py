@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from importlib.metadata import version
 from pathlib import Path
 from typing import Any
 
@@ -11,6 +12,18 @@ import torch
 from comarl.algorithms import token_logprobs
 
 Prompt = str | list[dict[str, str]]
+
+
+def _cache_argument(transformers_version: str) -> str:
+    """The forward argument that takes a KV cache: ``cache`` from transformers 5.24 on, ``past_key_values`` before.
+
+    (5.24 renamed it; the old name still works there with a FutureWarning until 5.40.)
+    """
+    major, minor = (int(part) for part in transformers_version.split(".")[:2])
+    return "cache" if (major, minor) >= (5, 24) else "past_key_values"
+
+
+CACHE_ARGUMENT = _cache_argument(version("transformers"))
 
 
 class Agent:
@@ -125,20 +138,76 @@ class Agent:
         The input is prompt+completion; the logits at position ``P-1+t`` predict completion token
         ``t``, so only the last ``T+1`` logits are computed (``logits_to_keep``). Position ids
         follow the attention mask, as in generation with left padding.
+
+        Rows that share a prompt (the G samples of a group) share its computation: the distinct
+        prompts (all but their last token) run once, their KV cache is gathered to every row, and
+        only the last prompt token + the completion run per row. Gradients flow through the shared
+        prompt as through G copies of it. Not under gradient checkpointing, which drops caches.
         """
         model = self.model if model is None else model
-        input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
+        T = completion_ids.shape[1]
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-        T = completion_ids.shape[1]
+        shared = _shared_prompts(prompt_ids, prompt_mask) if not _checkpointing(model) else None
+        if shared is None:
+            logits = model(
+                input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
+                attention_mask=attention_mask,
+                position_ids=position_ids,
+                logits_to_keep=T + 1,
+                use_cache=False,
+            ).logits[:, :-1]
+            return token_logprobs(logits, completion_ids, temperature)
+        from transformers import DynamicCache
+
+        distinct, row_to_prompt = shared
+        P = prompt_ids.shape[1]
+        cache = DynamicCache(config=model.config)
+        model(
+            input_ids=prompt_ids[distinct, : P - 1],
+            attention_mask=prompt_mask[distinct, : P - 1],
+            position_ids=position_ids[distinct, : P - 1],
+            use_cache=True,
+            logits_to_keep=1,
+            **{CACHE_ARGUMENT: cache},
+        )
+        cache.batch_select_indices(row_to_prompt)
         logits = model(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
-            position_ids=position_ids,
-            logits_to_keep=T + 1,
-            use_cache=False,
-        ).logits[:, :-1]
+            input_ids=torch.cat([prompt_ids[:, P - 1 :], completion_ids[:, :-1]], dim=1),
+            attention_mask=attention_mask[:, :-1],
+            position_ids=position_ids[:, P - 1 : -1],
+            use_cache=True,
+            **{CACHE_ARGUMENT: cache},
+        ).logits
         return token_logprobs(logits, completion_ids, temperature)
+
+
+def _shared_prompts(
+    prompt_ids: torch.Tensor, prompt_mask: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """``(distinct, row_to_prompt)`` when rows repeat a prompt, else None.
+
+    ``distinct`` indexes one row per distinct (ids, mask) prompt; ``row_to_prompt[r]`` is the
+    position in ``distinct`` of row r's prompt. Only worth it when some prompt repeats and the
+    prompt has more than one token (the last one always runs per row).
+    """
+    if prompt_ids.shape[0] < 2 or prompt_ids.shape[1] < 2:
+        return None
+    _, row_to_prompt = torch.unique(torch.cat([prompt_ids, prompt_mask], dim=1), dim=0, return_inverse=True)
+    count = int(row_to_prompt.max()) + 1
+    if count == prompt_ids.shape[0]:
+        return None
+    # First row of each distinct prompt: the smallest row index mapped to it.
+    rows = torch.arange(prompt_ids.shape[0], device=prompt_ids.device)
+    first = torch.full((count,), prompt_ids.shape[0], device=prompt_ids.device).scatter_reduce(
+        0, row_to_prompt, rows, reduce="amin"
+    )
+    return first, row_to_prompt
+
+
+def _checkpointing(model: Any) -> bool:
+    """Whether activation checkpointing is on (transformers then drops the KV cache in training forwards)."""
+    return any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
 
 
 def prepare_tokenizer(tokenizer: Any) -> Any:

@@ -1,13 +1,15 @@
-"""Generation backends. ``HFEngine``: one batched ``generate`` per agent per call, KV cache on."""
+"""Generation backends. ``HFEngine``: one batched decode loop per agent per call, KV cache shared by the G samples."""
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from comarl.agents import Agent, Prompt
+from comarl.agents import CACHE_ARGUMENT, Agent, Prompt
 from comarl.algorithms import completion_mask
 
 
@@ -44,51 +46,151 @@ class Generation:
 
 
 class HFEngine:
-    """Batched sampling with ``transformers``' ``generate``: every prompt x G samples in one call."""
+    """Batched sampling from a ``transformers`` causal LM: every prompt x G samples in one decode loop.
+
+    Each distinct prompt is run through the model once and its KV cache copied to its G samples
+    (``model.generate`` would run every prompt G times), then :func:`sample_completions` draws
+    all rows together, one forward per new token.
+    """
 
     @torch.no_grad()
     def generate(
         self, agent: Agent, prompts: Sequence[Prompt], num_generations: int, params: SamplingParams
     ) -> Generation:
-        from transformers import GenerationConfig
-
-        prompt_ids, prompt_mask = agent.encode(prompts)
-        prompt_ids = prompt_ids.repeat_interleave(num_generations, dim=0)
-        prompt_mask = prompt_mask.repeat_interleave(num_generations, dim=0)
         tok = agent.tokenizer
-        config = GenerationConfig(
-            max_new_tokens=params.max_new_tokens,
-            min_new_tokens=params.min_new_tokens,
-            do_sample=params.do_sample,
-            # Explicit values: a model's own generation_config (e.g. top_k=50) must not silently
-            # truncate the distribution the loss assumes.
-            temperature=params.temperature if params.do_sample else None,
-            top_p=params.top_p if params.do_sample else None,
-            top_k=(params.top_k or 0) if params.do_sample else None,
-            num_beams=1,
-            eos_token_id=agent.eos_token_ids,
-            pad_token_id=tok.pad_token_id,
-            use_cache=True,
-        )
+        prompt_ids, prompt_mask = agent.encode(prompts)
         was_training = agent.model.training
         agent.model.eval()
         try:
-            out = agent.model.generate(
-                input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=config
+            completion_ids = sample_completions(
+                agent.model,
+                prompt_ids,
+                prompt_mask,
+                num_generations,
+                params,
+                agent.eos_token_ids,
+                tok.pad_token_id,
             )
         finally:
             agent.model.train(was_training)
-        completion_ids = out[:, prompt_ids.shape[1] :]
         mask = completion_mask(completion_ids, agent.eos_token_ids)
-        # Padding after EOS becomes the pad id so decoding and logs never show stray tokens.
-        completion_ids = torch.where(
-            mask.bool(), completion_ids, torch.full_like(completion_ids, tok.pad_token_id)
-        )
+        # Decoding: one host copy of the ids, then each row cut at its length (pad ids are never decoded).
         lengths = mask.sum(dim=1).tolist()
         rows = completion_ids.tolist()
         texts = tok.batch_decode([row[:n] for row, n in zip(rows, lengths)], skip_special_tokens=True)
         repeated = [p for p in prompts for _ in range(num_generations)]
-        return Generation(prompt_ids, prompt_mask, completion_ids, mask, repeated, texts)
+        return Generation(
+            prompt_ids.repeat_interleave(num_generations, dim=0),
+            prompt_mask.repeat_interleave(num_generations, dim=0),
+            completion_ids,
+            mask,
+            repeated,
+            texts,
+        )
+
+
+def sample_completions(
+    model: Any,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    num_generations: int,
+    params: SamplingParams,
+    eos_token_ids: Sequence[int],
+    pad_token_id: int,
+) -> torch.Tensor:
+    """Completion ids ``[B * G, T]`` (row ``b * G + j`` = sample j of prompt b) from left-padded prompts ``[B, P]``.
+
+    One prefill over the B prompts, the KV cache repeated G times, then one forward per new token
+    over all rows. Row r stops at its first EOS (later positions hold ``pad_token_id``); the loop
+    ends when every row has stopped or after ``max_new_tokens``. Position ids follow the attention
+    mask, as in ``model.generate`` with left padding. Tokens are drawn by :func:`next_tokens`.
+    """
+    from transformers import DynamicCache
+
+    G, T = num_generations, params.max_new_tokens
+    device = prompt_ids.device
+    eos = torch.tensor(list(eos_token_ids), device=device)
+    positions = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    logits = model(
+        input_ids=prompt_ids,
+        attention_mask=prompt_mask,
+        position_ids=positions,
+        use_cache=True,
+        logits_to_keep=1,
+        **{CACHE_ARGUMENT: cache},
+    ).logits[:, -1]
+    if G > 1:
+        cache.batch_repeat_interleave(G)
+        logits = logits.repeat_interleave(G, dim=0)
+    rows, P = logits.shape[0], prompt_ids.shape[1]
+    # The whole attention mask up front; step t attends to the prompt and the t tokens before it.
+    attention = torch.cat([prompt_mask.repeat_interleave(G, dim=0), prompt_mask.new_ones(rows, T)], dim=1)
+    first_position = positions[:, -1:].repeat_interleave(G, dim=0) + 1
+    tokens = torch.full((rows, T), pad_token_id, dtype=prompt_ids.dtype, device=device)
+    running = torch.ones(rows, dtype=torch.bool, device=device)
+    for t in range(T):
+        chosen = next_tokens(logits, params, eos, suppress_eos=t < params.min_new_tokens)
+        tokens[:, t] = torch.where(running, chosen, pad_token_id)
+        running &= ~torch.isin(chosen, eos)
+        # One host sync per step, as generate's stopping check: stop once every row has ended.
+        if t + 1 == T or not bool(running.any()):
+            return tokens[:, : t + 1]
+        logits = model(
+            input_ids=tokens[:, t : t + 1],
+            attention_mask=attention[:, : P + t + 1],
+            position_ids=first_position + t,
+            use_cache=True,
+            **{CACHE_ARGUMENT: cache},
+        ).logits[:, -1]
+    return tokens
+
+
+def next_tokens(
+    logits: torch.Tensor, params: SamplingParams, eos: torch.Tensor, suppress_eos: bool = False
+) -> torch.Tensor:
+    """One token per row from next-token ``logits[rows, V]``: the argmax, or a draw from :func:`sampling_scores`.
+
+    The draw is by inverse CDF: with ``c = cumsum(softmax(z))`` and ``u = (1 - U[0, 1)) * c[-1]`` in
+    ``(0, c[-1]]``, the token is the first ``i`` with ``c[i] >= u``, so ``P(i) = p[i] / c[-1]`` and a
+    token of probability 0 is never drawn (``torch.multinomial`` draws the same distribution, more
+    slowly on CPU).
+    """
+    scores = sampling_scores(logits, params, eos, suppress_eos)
+    if not params.do_sample:
+        return scores.argmax(dim=-1)
+    cdf = scores.softmax(dim=-1).cumsum(dim=-1)
+    u = (1 - torch.rand(cdf.shape[0], 1, device=cdf.device, dtype=cdf.dtype)) * cdf[:, -1:]
+    return torch.searchsorted(cdf, u).squeeze(1)
+
+
+def sampling_scores(
+    logits: torch.Tensor, params: SamplingParams, eos: torch.Tensor, suppress_eos: bool = False
+) -> torch.Tensor:
+    """The scores ``z`` that tokens are drawn from, ``softmax(z)``, filtered as transformers' logits processors do.
+
+    In order: EOS gets ``-inf`` while ``suppress_eos`` (``min_new_tokens`` not reached); then, when
+    sampling, ``z = logits / temperature``; only the ``top_k`` largest ``z`` are kept (ties kept);
+    and the tokens whose cumulative probability, summed from the least likely up, stays
+    ``<= 1 - top_p`` are dropped (at least one token always survives). Greedy decoding gets the
+    logits with only the EOS rule applied.
+    """
+    scores = logits.float()
+    if suppress_eos:
+        scores = scores.index_fill(1, eos, -math.inf)
+    if not params.do_sample:
+        return scores
+    if params.temperature != 1.0:
+        scores = scores / params.temperature
+    if params.top_k:
+        kth_largest = torch.topk(scores, min(params.top_k, scores.shape[-1]), dim=-1).values[:, -1:]
+        scores = scores.masked_fill(scores < kth_largest, -math.inf)
+    if params.top_p < 1.0:
+        ascending, order = torch.sort(scores, dim=-1)
+        drop = ascending.softmax(dim=-1).cumsum(dim=-1) <= 1 - params.top_p
+        drop[:, -1] = False
+        scores = scores.masked_fill(drop.scatter(1, order, drop), -math.inf)
+    return scores
 
 
 def concat_generations(generations: Sequence[Generation], pad_token_id: int) -> Generation:

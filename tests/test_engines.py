@@ -1,0 +1,145 @@
+"""The generation engine and the shared-prompt log-prob forward against transformers' own reference paths."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import GenerationConfig
+from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+
+from comarl.agents import Agent, _cache_argument, _checkpointing, _shared_prompts
+from comarl.engines import HFEngine, SamplingParams, next_tokens, sampling_scores
+
+PROMPTS = ["a", "def add(a, b): return a", "alice and bob meet at the"]
+
+
+@pytest.mark.parametrize("fixture", ["qwen_bpe", "llama_word"])
+def test_greedy_decoding_equals_transformers_generate(fixture, request):
+    """Same tokens as model.generate(do_sample=False) on left-padded prompts, rows ending at EOS included."""
+    agent = Agent.from_pretrained(request.getfixturevalue(fixture))
+    params = SamplingParams(max_new_tokens=12, do_sample=False)
+    gen = HFEngine().generate(agent, PROMPTS, 2, params)
+    ids, mask = agent.encode(PROMPTS)
+    config = GenerationConfig(
+        max_new_tokens=12,
+        do_sample=False,
+        eos_token_id=agent.eos_token_ids,
+        pad_token_id=agent.tokenizer.pad_token_id,
+    )
+    expected = agent.model.generate(
+        input_ids=ids.repeat_interleave(2, 0),
+        attention_mask=mask.repeat_interleave(2, 0),
+        generation_config=config,
+    )[:, ids.shape[1] :]
+    width = gen.completion_ids.shape[1]
+    assert torch.equal(gen.completion_ids, expected[:, :width])
+    assert (expected[:, width:] == agent.tokenizer.pad_token_id).all()  # after every row ended, generate only added padding
+
+
+def test_sampling_scores_equal_transformers_warpers():
+    """Temperature, then top-k, then top-p, exactly as transformers' warpers filter the scores."""
+    torch.manual_seed(0)
+    logits = torch.randn(5, 50) * 3
+    params = SamplingParams(temperature=0.7, top_k=20, top_p=0.8)
+    expected = logits.clone()
+    for warper in (TemperatureLogitsWarper(0.7), TopKLogitsWarper(20), TopPLogitsWarper(0.8)):
+        expected = warper(None, expected)
+    assert torch.equal(sampling_scores(logits, params, torch.tensor([0])), expected)
+
+
+def test_min_new_tokens_masks_every_eos_and_greedy_keeps_the_logits():
+    logits = torch.tensor([[5.0, 1.0, 4.0, 0.0]])
+    eos = torch.tensor([0, 2])
+    greedy = SamplingParams(do_sample=False)
+    assert next_tokens(logits, greedy, eos).tolist() == [0]
+    assert next_tokens(logits, greedy, eos, suppress_eos=True).tolist() == [1]
+    assert sampling_scores(logits, greedy, eos, suppress_eos=True).tolist() == [
+        [-float("inf"), 1.0, -float("inf"), 0.0]
+    ]
+
+
+def test_inverse_cdf_draw_never_picks_impossible_tokens_and_matches_the_probabilities():
+    """p = [0, 1/4, 0, 3/4]: tokens 0 and 2 never come up; token 3 about three times as often as token 1."""
+    torch.manual_seed(0)
+    logits = torch.log(torch.tensor([0.0, 0.25, 0.0, 0.75])).expand(8000, 4)
+    draws = next_tokens(logits, SamplingParams(), torch.tensor([9]))
+    counts = torch.bincount(draws, minlength=4).tolist()
+    assert counts[0] == 0 and counts[2] == 0
+    assert abs(counts[3] / 8000 - 0.75) < 0.02
+
+
+def test_min_new_tokens_gives_full_length_completions(qwen_bpe):
+    agent = Agent.from_pretrained(qwen_bpe)
+    torch.manual_seed(0)
+    gen = HFEngine().generate(agent, PROMPTS, 3, SamplingParams(max_new_tokens=6, min_new_tokens=6))
+    assert gen.completion_ids.shape == (9, 6)
+    assert gen.completion_mask.sum().item() == 54
+    assert gen.prompts == [p for p in PROMPTS for _ in range(3)]
+
+
+def test_shared_prompt_groups_by_hand():
+    ids = torch.tensor([[0, 5, 6], [0, 5, 6], [7, 8, 9], [0, 5, 6], [7, 8, 9]])
+    mask = torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1], [0, 1, 1], [1, 1, 1]])
+    distinct, row_to_prompt = _shared_prompts(ids, mask)
+    assert sorted(distinct.tolist()) == [0, 2]  # the first row of each distinct prompt
+    assert torch.equal(ids[distinct][row_to_prompt], ids)
+    assert torch.equal(mask[distinct][row_to_prompt], mask)
+    assert _shared_prompts(ids[:3][[0, 2]], mask[:3][[0, 2]]) is None  # nothing repeats
+    assert _shared_prompts(ids[:, -1:], mask[:, -1:]) is None  # a one-token prompt has nothing to share
+    same_ids_other_mask = torch.tensor([[0, 0, 6], [0, 5, 6]]), torch.tensor([[0, 1, 1], [1, 1, 1]])
+    assert _shared_prompts(*same_ids_other_mask) is None
+
+
+@pytest.mark.parametrize("fixture", ["qwen_bpe", "llama_word"])
+def test_shared_prompt_forward_equals_one_forward_per_row(fixture, request):
+    """Log-probs and gradients of the shared-prompt forward equal those of each row on its own."""
+    agent = Agent.from_pretrained(request.getfixturevalue(fixture))
+    torch.manual_seed(0)
+    gen = HFEngine().generate(agent, PROMPTS, 3, SamplingParams(max_new_tokens=7))
+    assert _shared_prompts(gen.prompt_ids, gen.prompt_mask) is not None
+
+    def grads_of(rows: slice) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        agent.model.zero_grad(set_to_none=True)
+        args = (
+            gen.prompt_ids[rows],
+            gen.prompt_mask[rows],
+            gen.completion_ids[rows],
+            gen.completion_mask[rows],
+        )
+        logp = agent.completion_logprobs(*args)
+        (logp * gen.completion_mask[rows]).sum().backward()
+        return logp.detach(), {n: p.grad.clone() for n, p in agent.model.named_parameters()}
+
+    shared_logp, shared_grads = grads_of(slice(None))
+    summed = {n: torch.zeros_like(g) for n, g in shared_grads.items()}
+    for r in range(gen.completion_ids.shape[0]):
+        logp, grads = grads_of(slice(r, r + 1))  # one row: the plain forward
+        mask = gen.completion_mask[r].bool()
+        torch.testing.assert_close(shared_logp[r][mask], logp[0][mask], atol=1e-5, rtol=1e-4)
+        for n in summed:
+            summed[n] += grads[n]
+    for n, g in shared_grads.items():
+        torch.testing.assert_close(g, summed[n], atol=1e-4, rtol=1e-3, msg=n)
+
+
+def test_gradient_checkpointing_takes_the_plain_forward(qwen_bpe):
+    """transformers drops caches under activation checkpointing, so the shared-prompt path must not run there."""
+    agent = Agent.from_pretrained(qwen_bpe)
+    torch.manual_seed(0)
+    gen = HFEngine().generate(agent, PROMPTS, 2, SamplingParams(max_new_tokens=5))
+    args = (gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask)
+    shared = agent.completion_logprobs(*args).detach()
+    assert not _checkpointing(agent.model)
+    agent.model.gradient_checkpointing_enable()
+    agent.model.train()
+    assert _checkpointing(agent.model)
+    checkpointed = agent.completion_logprobs(*args)
+    torch.testing.assert_close(checkpointed.detach(), shared, atol=1e-5, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("version", "name"),
+    [("5.0.0", "past_key_values"), ("5.23.1", "past_key_values"), ("5.24.0", "cache"), ("6.1.0", "cache")],
+)
+def test_cache_argument_follows_the_transformers_rename(version, name):
+    assert _cache_argument(version) == name
