@@ -33,7 +33,8 @@ def test_greedy_decoding_equals_transformers_generate(fixture, request):
     )[:, ids.shape[1] :]
     width = gen.completion_ids.shape[1]
     assert torch.equal(gen.completion_ids, expected[:, :width])
-    assert (expected[:, width:] == agent.tokenizer.pad_token_id).all()  # after every row ended, generate only added padding
+    # after every row ended, generate only added padding
+    assert (expected[:, width:] == agent.tokenizer.pad_token_id).all()
 
 
 def test_sampling_scores_equal_transformers_warpers():

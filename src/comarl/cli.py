@@ -1,4 +1,4 @@
-"""Command line: ``comarl demo``, ``comarl train CONFIG.yaml [--set key=value ...]``, ``comarl fields``."""
+"""Command line: ``comarl demo``, ``comarl train CONFIG.yaml [--set key=value ...]``, ``comarl fields``, ``comarl eval``, ``comarl bench``."""
 
 from __future__ import annotations
 
@@ -74,6 +74,13 @@ def main(argv: list[str] | None = None) -> int:
         "--json", dest="json_path", default=None, help="also write the result (with samples) here"
     )
 
+    bench = sub.add_parser(
+        "bench", help="speed benchmark against CoMLRL and TRL (needs a source checkout; installs the peers)"
+    )
+    bench.add_argument("--quick", action="store_true", help="smoke run: 8 prompts, one repeat")
+    bench.add_argument("--repeats", type=int, default=None, help="repeats per case (default 2)")
+    bench.add_argument("--threads", type=int, default=1, help="torch threads of every measured process")
+
     args = parser.parse_args(argv)
     try:
         if args.command == "demo":
@@ -82,6 +89,8 @@ def main(argv: list[str] | None = None) -> int:
             return _train(load_run_spec(args.config, args.overrides))
         if args.command == "eval":
             return _eval(args)
+        if args.command == "bench":
+            return _bench(args)
         return _fields(args.trainer)
     except ConfigError as exc:
         print(f"comarl: error: {exc}", file=sys.stderr)
@@ -192,6 +201,21 @@ def _eval(args: argparse.Namespace) -> int:
     if args.json_path:
         print(f"written: {evaluation.write_json(result, args.json_path)}")
     return 0
+
+
+def _bench(args: argparse.Namespace) -> int:
+    """Run ``benchmarks/bench.py`` of this checkout with this Python (it makes the peers' own venvs)."""
+    import subprocess
+
+    script = Path(__file__).resolve().parents[2] / "benchmarks" / "bench.py"
+    if not script.exists():
+        raise ConfigError(
+            f"comarl bench runs {script}, which only a source checkout has; clone the repository and run it there"
+        )
+    command = [sys.executable, str(script), "--threads", str(args.threads)]
+    command += ["--quick"] if args.quick else []
+    command += ["--repeats", str(args.repeats)] if args.repeats is not None else []
+    return subprocess.run(command, check=False).returncode
 
 
 def _fields(trainer: str) -> int:

@@ -1,0 +1,156 @@
+"""Measure each optimisation of comarl's hot paths on its own, on the benchmark workload.
+
+For one epoch's prompts (in steps of 1 or 8 prompts, G = 4 samples each, 32 new tokens) it times:
+
+- generation: ``model.generate`` as comarl called it before (one GenerationConfig per call, every
+  prompt repeated G times), comarl's own decode loop on the repeated prompts, the decode loop with
+  the prompt run once per group (drawing with torch.multinomial), and with the inverse-CDF draw
+  (the engine now);
+- the training forward + backward of the log-probs: one forward over prompt+completion per row,
+  and the shared-prompt forward (the prompt once per group; the agent now).
+
+Variants run interleaved, ``--repeats`` times; the table gives the median CPU seconds per epoch
+(CPU time is steadier than wall time on a shared machine) and the speed-up over the first variant::
+
+    python benchmarks/ablations.py --workload benchmarks/.workload --repeats 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import statistics
+import time
+from collections.abc import Callable
+
+from common import NEW_TOKENS, NUM_GENERATIONS, load_prompts, model_path
+
+
+def timed(fn: Callable[[], object]) -> float:
+    """CPU seconds of one call."""
+    started = time.process_time()
+    fn()
+    return time.process_time() - started
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--workload", required=True)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--prompts", type=int, default=None)
+    parser.add_argument("--threads", type=int, default=1)
+    args = parser.parse_args()
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    import torch
+    from transformers import GenerationConfig
+
+    import comarl.agents
+    import comarl.engines
+    from comarl.agents import Agent
+    from comarl.engines import HFEngine, SamplingParams, sample_completions
+
+    torch.set_num_threads(args.threads)
+    torch.manual_seed(0)
+    agent = Agent.from_pretrained(model_path(args.workload))
+    texts = [item["prompt"] for item in load_prompts(args.workload, args.prompts)]
+    G, params = NUM_GENERATIONS, SamplingParams(max_new_tokens=NEW_TOKENS, min_new_tokens=NEW_TOKENS)
+    engine, model, pad = HFEngine(), agent.model, agent.tokenizer.pad_token_id
+
+    def hf_generate(ids: torch.Tensor, mask: torch.Tensor) -> None:
+        config = GenerationConfig(
+            max_new_tokens=NEW_TOKENS,
+            min_new_tokens=NEW_TOKENS,
+            do_sample=True,
+            temperature=1.0,
+            top_p=1.0,
+            top_k=0,
+            num_beams=1,
+            eos_token_id=agent.eos_token_ids,
+            pad_token_id=pad,
+            use_cache=True,
+        )
+        model.generate(
+            input_ids=ids.repeat_interleave(G, 0),
+            attention_mask=mask.repeat_interleave(G, 0),
+            generation_config=config,
+        )
+
+    def own_loop_repeated(ids: torch.Tensor, mask: torch.Tensor) -> None:
+        rows = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
+        sample_completions(model, *rows, 1, params, agent.eos_token_ids, pad)
+
+    def own_loop_shared(ids: torch.Tensor, mask: torch.Tensor) -> None:
+        sample_completions(model, ids, mask, G, params, agent.eos_token_ids, pad)
+
+    def multinomial_draw(
+        logits: torch.Tensor, params: SamplingParams, eos: torch.Tensor, suppress_eos: bool
+    ) -> torch.Tensor:
+        scores = comarl.engines.sampling_scores(logits, params, eos, suppress_eos)
+        return torch.multinomial(scores.softmax(dim=-1), num_samples=1).squeeze(1)
+
+    def own_loop_shared_multinomial(ids: torch.Tensor, mask: torch.Tensor) -> None:
+        inverse_cdf = comarl.engines.next_tokens
+        comarl.engines.next_tokens = multinomial_draw  # the draw sample_completions used at first
+        try:
+            own_loop_shared(ids, mask)
+        finally:
+            comarl.engines.next_tokens = inverse_cdf
+
+    def update(shared: bool) -> Callable[[object], None]:
+        def run(gen: object) -> None:
+            original = comarl.agents._shared_prompts
+            if not shared:  # the forward comarl did before: the prompt once per row
+                comarl.agents._shared_prompts = lambda *a: None
+            try:
+                logp = agent.completion_logprobs(
+                    gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask
+                )
+                (logp * gen.completion_mask).sum().backward()
+                model.zero_grad(set_to_none=True)
+            finally:
+                comarl.agents._shared_prompts = original
+
+        return run
+
+    for per_step in (1, 8):
+        steps = [texts[s : s + per_step] for s in range(0, len(texts) - per_step + 1, per_step)]
+        encoded = [agent.encode(step) for step in steps]
+        with torch.no_grad():
+            model.eval()
+            generations = [engine.generate(agent, step, G, params) for step in steps]
+        model.train()
+        generate_without_grad = {
+            "generate: model.generate, prompts repeated G times": torch.no_grad()(hf_generate),
+            "generate: own decode loop, prompts repeated": torch.no_grad()(own_loop_repeated),
+            "generate: + prompt once per group (torch.multinomial)": torch.no_grad()(
+                own_loop_shared_multinomial
+            ),
+            "generate: + inverse-CDF draw (the engine now)": torch.no_grad()(own_loop_shared),
+        }
+        variants: dict[str, Callable[[], object]] = {
+            name: functools.partial(lambda fn, batches: [fn(*b) for b in batches], fn, encoded)
+            for name, fn in generate_without_grad.items()
+        }
+        for name, shared in (("prompt per row", False), ("prompt once per group", True)):
+            variants[f"log-prob forward+backward: {name}"] = functools.partial(
+                lambda fn, gens: [fn(g) for g in gens], update(shared), generations
+            )
+        seconds: dict[str, list[float]] = {name: [] for name in variants}
+        for _ in range(args.repeats):
+            for name, fn in variants.items():
+                model.eval() if name.startswith("generate") else model.train()
+                seconds[name].append(timed(fn))
+        print(
+            f"\n{per_step} prompt(s) per step x G={G}, {len(steps)} steps (one epoch), CPU seconds (median):"
+        )
+        baseline = {}
+        for name, values in seconds.items():
+            kind = name.split(":")[0]
+            median = statistics.median(values)
+            baseline.setdefault(kind, median)
+            print(f"  {name:<56} {median:7.2f} s   x{baseline[kind] / median:4.2f}")
+
+
+if __name__ == "__main__":
+    main()

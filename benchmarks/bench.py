@@ -1,0 +1,394 @@
+"""Speed benchmark: comarl against CoMLRL 1.4.3 and TRL at the same work, and against a hand-written floor.
+
+    python benchmarks/bench.py            # the full run (what docs/benchmarks.md reports)
+    python benchmarks/bench.py --quick    # smoke run: 8 prompts, one repeat
+    comarl bench [--quick]                # the same, from the command line
+
+What it does, top to bottom:
+
+1. creates one virtual environment per peer under ``benchmarks/.venvs/`` (torch==2.13.0 first, the
+   CPU build, so that no peer pulls a CUDA build; then the peer) -- never comarl dependencies;
+2. builds the workload once (``workload.py``): a tiny Qwen2 + byte-level BPE tokenizer + 32 prompts,
+   saved to ``benchmarks/.workload`` and loaded by path by every runner;
+3. runs every case (library x mode x number of agents) in its own process, one Python per measured
+   run, repeats interleaved (comarl, peer, comarl, peer, ...; the order reversed on odd repeats) so
+   that machine load hits every library alike;
+4. takes medians per case, writes ``benchmarks/results/<date>.json`` and ``.md``, prints the tables.
+
+Modes: ``peer`` = one prompt per optimizer step (the peers' semantics), ``batched`` = 8 prompts per
+step (CoMLRL: rollout_buffer_size = train_batch_size = 8, still generating one prompt at a time).
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+HERE = Path(__file__).resolve().parent
+TORCH_REQUIREMENT = "torch==2.13.0"
+PEER_REQUIREMENTS = {"comlrl": "comlrl==1.4.3", "trl": "trl==1.16.0"}
+RUNNERS = {"comarl": "run_comarl.py", "comlrl": "run_comlrl.py", "trl": "run_trl.py", "floor": "floor.py"}
+RESULT_PREFIX = "RESULT "
+MODES = ("peer", "batched")
+TARGETS_TEXT = {
+    "comlrl_batched_2": "2 agents, batched: >= 5x CoMLRL's completions/s",
+    "comlrl_peer_2": "2 agents, peer semantics: >= 1.5x CoMLRL's completions/s",
+    "trl_peer_1": "1 agent, peer semantics: >= 1.5x TRL's completions/s",
+    "trl_batched_1": "1 agent, batched: >= 1.5x TRL's completions/s",
+    "floor": "overhead over the hand-written loop <= 1.3x (every measured case)",
+    "rss": "peak RSS <= CoMLRL's (every case)",
+}
+
+
+@dataclass(frozen=True)
+class Case:
+    """One measured configuration: which library, which mode, how many agents."""
+
+    library: str
+    mode: str
+    agents: int
+
+
+def build_cases(agent_counts: Sequence[int], floor_agents: Sequence[int]) -> list[Case]:
+    """Every case of one repeat, comarl next to each peer so that they run back to back."""
+    cases = []
+    for mode in MODES:
+        for n in agent_counts:
+            cases += [Case("comarl", mode, n), Case("comlrl", mode, n)]
+            if n in floor_agents:
+                cases.append(Case("floor", mode, n))
+            if n == 1:
+                cases.append(Case("trl", mode, 1))
+    return cases
+
+
+def schedule(cases: Sequence[Case], repeats: int) -> list[Case]:
+    """All runs in order: the cases forwards on even repeats and backwards on odd ones."""
+    runs: list[Case] = []
+    for r in range(repeats):
+        runs += list(cases) if r % 2 == 0 else list(reversed(cases))
+    return runs
+
+
+def median(values: Sequence[float]) -> float:
+    """The middle value (mean of the two middle ones for an even count); raises on an empty list."""
+    if not values:
+        raise ValueError("median: no values")
+    return float(statistics.median(values))
+
+
+def summarize(runs: Sequence[dict[str, Any]]) -> dict[Case, dict[str, float]]:
+    """Medians per case of throughput (wall and CPU), seconds and peak RSS over its repeats."""
+    grouped: dict[Case, list[dict[str, Any]]] = {}
+    for run in runs:
+        grouped.setdefault(Case(run["library"], run["mode"], run["agents"]), []).append(run)
+    keys = (
+        "completions_per_s",
+        "tokens_per_s",
+        "completions_per_cpu_s",
+        "seconds",
+        "cpu_seconds",
+        "peak_rss_mb",
+    )
+    return {
+        case: {**{k: median([r[k] for r in rs]) for k in keys}, "repeats": len(rs)}
+        for case, rs in grouped.items()
+    }
+
+
+def comparisons(summary: dict[Case, dict[str, float]]) -> list[dict[str, Any]]:
+    """One row per (mode, agents, peer) with both libraries' medians and the ratio comarl / peer.
+
+    ``ratio`` = comarl completions/s / peer completions/s (wall); ``cpu_ratio`` the same from CPU time.
+    For the floor, ``ratio`` is comarl's speed relative to the floor and ``overhead`` = 1 / ratio
+    (comarl's seconds per completion over the floor's).
+    """
+    rows = []
+    for case, peer in sorted(summary.items(), key=lambda kv: _order(kv[0])):
+        library, mode, agents = case.library, case.mode, case.agents
+        if library == "comarl" or Case("comarl", mode, agents) not in summary:
+            continue
+        ours = summary[Case("comarl", mode, agents)]
+        ratio = ours["completions_per_s"] / peer["completions_per_s"]
+        rows.append(
+            {
+                "mode": mode,
+                "agents": agents,
+                "peer": library,
+                "comarl_completions_per_s": ours["completions_per_s"],
+                "peer_completions_per_s": peer["completions_per_s"],
+                "comarl_tokens_per_s": ours["tokens_per_s"],
+                "peer_tokens_per_s": peer["tokens_per_s"],
+                "ratio": ratio,
+                "cpu_ratio": ours["completions_per_cpu_s"] / peer["completions_per_cpu_s"],
+                "overhead": 1 / ratio,
+                "comarl_rss_mb": ours["peak_rss_mb"],
+                "peer_rss_mb": peer["peak_rss_mb"],
+            }
+        )
+    return rows
+
+
+def _order(case: Case) -> tuple[int, int, int]:
+    return MODES.index(case.mode), case.agents, list(RUNNERS).index(case.library)
+
+
+def targets(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    """Each target of issue 6 with the measured value (wall-clock ratio) and whether it is met."""
+    by_key = {(r["peer"], r["mode"], r["agents"]): r for r in rows}
+    found: dict[str, dict[str, Any]] = {}
+    for key, peer, mode, agents, needed in (
+        ("comlrl_batched_2", "comlrl", "batched", 2, 5.0),
+        ("comlrl_peer_2", "comlrl", "peer", 2, 1.5),
+        ("trl_peer_1", "trl", "peer", 1, 1.5),
+        ("trl_batched_1", "trl", "batched", 1, 1.5),
+    ):
+        if (peer, mode, agents) in by_key:
+            value = by_key[(peer, mode, agents)]["ratio"]
+            found[key] = {"value": value, "needed": needed, "met": value >= needed}
+    floor = [r["overhead"] for r in rows if r["peer"] == "floor"]
+    if floor:
+        found["floor"] = {"value": max(floor), "needed": 1.3, "met": max(floor) <= 1.3}
+    rss = [r["comarl_rss_mb"] / r["peer_rss_mb"] for r in rows if r["peer"] == "comlrl"]
+    if rss:
+        found["rss"] = {"value": max(rss), "needed": 1.0, "met": max(rss) <= 1.0}
+    return found
+
+
+def markdown(rows: Sequence[dict[str, Any]], summary: dict[Case, dict[str, float]]) -> str:
+    """The result tables in markdown: comarl vs each peer, comarl vs the floor, targets, scaling in agents."""
+    lines = [
+        "| mode | agents | peer | comarl compl/s | peer compl/s | **comarl / peer** | (CPU-time ratio) "
+        "| comarl tok/s | peer tok/s | comarl RSS MiB | peer RSS MiB |",
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+    ]
+    for r in rows:
+        if r["peer"] == "floor":
+            continue
+        lines.append(
+            f"| {r['mode']} | {r['agents']} | {r['peer']} | {r['comarl_completions_per_s']:.2f} "
+            f"| {r['peer_completions_per_s']:.2f} | **{r['ratio']:.2f}x** | {r['cpu_ratio']:.2f}x "
+            f"| {r['comarl_tokens_per_s']:.0f} | {r['peer_tokens_per_s']:.0f} "
+            f"| {r['comarl_rss_mb']:.0f} | {r['peer_rss_mb']:.0f} |"
+        )
+    floor = [r for r in rows if r["peer"] == "floor"]
+    if floor:
+        lines += [
+            "",
+            "| mode | agents | comarl compl/s | floor compl/s | **comarl overhead** (floor speed / comarl speed) "
+            "| comarl RSS MiB | floor RSS MiB |",
+            "|---|---:|---:|---:|---:|---:|---:|",
+        ]
+        for r in floor:
+            lines.append(
+                f"| {r['mode']} | {r['agents']} | {r['comarl_completions_per_s']:.2f} "
+                f"| {r['peer_completions_per_s']:.2f} | **{r['overhead']:.2f}x** "
+                f"| {r['comarl_rss_mb']:.0f} | {r['peer_rss_mb']:.0f} |"
+            )
+    lines += [
+        "",
+        "| mode | comarl seconds per epoch, 1 / 2 / 3 agents | relative to 1 agent |",
+        "|---|---|---|",
+    ]
+    for mode in MODES:
+        seconds = [
+            summary[c]["seconds"]
+            for c in sorted(summary, key=_order)
+            if c.library == "comarl" and c.mode == mode
+        ]
+        if seconds:
+            lines.append(
+                f"| {mode} | {' / '.join(f'{s:.1f}' for s in seconds)} | {' / '.join(f'{s / seconds[0]:.2f}' for s in seconds)} |"
+            )
+    found = targets(rows)
+    if found:
+        lines += ["", "| target | measured | met |", "|---|---:|---|"]
+        for key, t in found.items():
+            lines.append(f"| {TARGETS_TEXT[key]} | {t['value']:.2f} | {'yes' if t['met'] else '**no**'} |")
+    return "\n".join(lines)
+
+
+# ---------------------------------------------------------------------------- processes
+
+
+def ensure_venv(name: str, requirement: str) -> Path:
+    """``benchmarks/.venvs/<name>`` with torch (CPU build, first) and ``requirement``; reused when already built."""
+    venv = HERE / ".venvs" / name
+    python = venv / "bin" / "python"
+    marker = venv / "comarl-bench.json"
+    wanted = {"torch": TORCH_REQUIREMENT, "peer": requirement}
+    if python.exists() and marker.exists() and json.loads(marker.read_text()) == wanted:
+        return python
+    print(f"creating {venv} ({TORCH_REQUIREMENT}, then {requirement}) ...", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+    for package in (TORCH_REQUIREMENT, requirement):
+        subprocess.run([str(python), "-m", "pip", "install", "--quiet", package], check=True)
+    marker.write_text(json.dumps(wanted))
+    return python
+
+
+def library_versions(python: Path, modules: Sequence[str]) -> dict[str, str]:
+    """Installed versions of ``modules`` in the interpreter ``python`` (recorded with the results)."""
+    code = (
+        "import importlib.metadata as m, json, sys; "
+        "print(json.dumps({n: m.version(n) for n in sys.argv[1:]}))"
+    )
+    out = subprocess.run([str(python), "-c", code, *modules], capture_output=True, text=True, check=True)
+    return json.loads(out.stdout)
+
+
+def run_case(
+    case: Case, python: Path, workload: Path, threads: int, prompts: int | None, timeout: float
+) -> dict[str, Any]:
+    """Run one case in a fresh process and return its RESULT line as a dict."""
+    command = [
+        str(python),
+        str(HERE / RUNNERS[case.library]),
+        "--workload",
+        str(workload),
+        "--mode",
+        case.mode,
+        "--agents",
+        str(case.agents),
+        "--threads",
+        str(threads),
+    ]
+    if prompts is not None:
+        command += ["--prompts", str(prompts)]
+    env = {
+        **os.environ,
+        "OMP_NUM_THREADS": str(threads),
+        "MKL_NUM_THREADS": str(threads),
+        "TOKENIZERS_PARALLELISM": "false",
+        "WANDB_MODE": "disabled",
+        "HF_HUB_OFFLINE": "1",
+        "PYTHONWARNINGS": "ignore",
+    }
+    done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=HERE)
+    lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]
+    if done.returncode != 0 or not lines:
+        raise RuntimeError(
+            f"{case}: exit code {done.returncode}, no result line; last output:\n{(done.stdout + done.stderr)[-3000:]}"
+        )
+    return json.loads(lines[-1][len(RESULT_PREFIX) :])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--quick", action="store_true", help="smoke run: 8 prompts, 1 repeat")
+    parser.add_argument(
+        "--repeats", type=int, default=None, help="repeats per case (default 2; 1 with --quick)"
+    )
+    parser.add_argument(
+        "--prompts", type=int, default=None, help="prompts per epoch (default 32; 8 with --quick)"
+    )
+    parser.add_argument("--threads", type=int, default=1, help="torch threads of every runner (default 1)")
+    parser.add_argument("--agents", default="1,2,3", help="agent counts measured against CoMLRL")
+    parser.add_argument("--floor-agents", default="1,2", help="agent counts for the hand-written floor")
+    parser.add_argument("--libraries", default="comarl,comlrl,trl,floor", help="subset of libraries to run")
+    parser.add_argument("--timeout", type=float, default=1800, help="seconds per run before it is abandoned")
+    parser.add_argument("--out", default=str(HERE / "results"), help="folder for <date>.json and <date>.md")
+    parser.add_argument(
+        "--tables-from",
+        default=None,
+        help="print the tables of a results JSON (or a .runs.jsonl) without running",
+    )
+    args = parser.parse_args(argv)
+    if args.tables_from:
+        path = Path(args.tables_from)
+        if path.suffix == ".jsonl":
+            runs = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+        else:
+            runs = json.loads(path.read_text())["runs"]
+        summary = summarize(runs)
+        print(markdown(comparisons(summary), summary))
+        return 0
+    repeats = args.repeats or (1 if args.quick else 2)
+    prompts = args.prompts or (8 if args.quick else None)
+    libraries = args.libraries.split(",")
+    unknown = [name for name in libraries if name not in RUNNERS]
+    if unknown:
+        parser.error(f"--libraries: unknown {unknown}; choose from {list(RUNNERS)}")
+
+    from workload import build_workload
+
+    workload = build_workload(HERE / ".workload")
+    pythons = {"comarl": Path(sys.executable), "floor": Path(sys.executable)}
+    for name, requirement in PEER_REQUIREMENTS.items():
+        if name in libraries:
+            pythons[name] = ensure_venv(name, requirement)
+    versions = {
+        name: library_versions(
+            python, ["torch", "transformers", *([name] if name in PEER_REQUIREMENTS else [])]
+        )
+        for name, python in pythons.items()
+    }
+    cases = [
+        c
+        for c in build_cases(
+            [int(n) for n in args.agents.split(",")], [int(n) for n in args.floor_agents.split(",")]
+        )
+        if c.library in libraries
+    ]
+    stamp = datetime.datetime.now().strftime("%Y-%m-%d-%H%M") + ("-quick" if args.quick else "")
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    # Every run is appended as it finishes, so an interrupted benchmark keeps what it measured.
+    partial = out / f"{stamp}.runs.jsonl"
+    runs = []
+    plan = schedule(cases, repeats)
+    for i, case in enumerate(plan, start=1):
+        result = run_case(case, pythons[case.library], workload, args.threads, prompts, args.timeout)
+        runs.append(result)
+        with partial.open("a") as f:
+            f.write(json.dumps(result) + "\n")
+        print(
+            f"[{i}/{len(plan)}] {case.library:<7} {case.mode:<8} agents={case.agents}  "
+            f"{result['completions_per_s']:6.2f} completions/s  {result['seconds']:7.1f} s  "
+            f"{result['peak_rss_mb']:6.0f} MiB",
+            flush=True,
+        )
+    summary = summarize(runs)
+    rows = comparisons(summary)
+    table = markdown(rows, summary)
+    record = {
+        "date": stamp,
+        "settings": {
+            "repeats": repeats,
+            "prompts": prompts or 32,
+            "threads": args.threads,
+            "quick": args.quick,
+        },
+        "machine": {
+            "cpus": os.cpu_count(),
+            "platform": platform.platform(),
+            "python": platform.python_version(),
+        },
+        "versions": versions,
+        "summary": [{**asdict(c), **v} for c, v in summary.items()],
+        "comparisons": rows,
+        "targets": targets(rows),
+        "runs": runs,
+    }
+    (out / f"{stamp}.json").write_text(json.dumps(record, indent=1))
+    (out / f"{stamp}.md").write_text(table + "\n")
+    partial.unlink()
+    print("\n" + table)
+    print(f"\nwritten: {out / (stamp + '.json')} and .md")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

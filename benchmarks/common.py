@@ -1,0 +1,135 @@
+"""What every benchmark runner shares: the workload on disk, the reward, and the one JSON line it prints.
+
+Runners execute in different virtual environments (comarl's, CoMLRL's, TRL's), so this module
+imports only the standard library at the top; torch is imported inside the functions that need it.
+
+A runner is one process per measured run: it loads the workload by path, times one epoch of
+training, and prints exactly one line ``RESULT {json}`` with completions/s, tokens/s and the
+peak resident memory of the process (``ru_maxrss``, which includes imports and model loading).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+# The workload every library runs (issue 6). Kept here so that the driver, the runners and the
+# docs agree on one set of numbers.
+NUM_GENERATIONS = 4  # G completions per prompt per agent
+NEW_TOKENS = 32  # min_new_tokens = max_new_tokens: every completion is exactly this long
+TEMPERATURE = 1.0
+LEARNING_RATE = 1e-5
+PROMPTS_PER_STEP = {"peer": 1, "batched": 8}  # (a) the peers' semantics, (b) batched
+RESULT_PREFIX = "RESULT "
+
+
+def runner_args(description: str) -> argparse.Namespace:
+    """The command line every runner takes: the workload folder, the mode, the number of agents, threads."""
+    parser = argparse.ArgumentParser(description=description)
+    parser.add_argument(
+        "--workload", required=True, help="folder written by bench.py (model/ + prompts.json)"
+    )
+    parser.add_argument("--mode", choices=sorted(PROMPTS_PER_STEP), required=True)
+    parser.add_argument("--agents", type=int, default=1)
+    parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads for this process")
+    parser.add_argument("--prompts", type=int, default=None, help="use only the first N prompts (smoke runs)")
+    args = parser.parse_args()
+    # Same intra-op threads for every library; set before torch is imported anywhere.
+    os.environ["OMP_NUM_THREADS"] = str(args.threads)
+    os.environ["MKL_NUM_THREADS"] = str(args.threads)
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    os.environ.setdefault("WANDB_MODE", "disabled")
+    return args
+
+
+def set_threads(threads: int) -> None:
+    import torch
+
+    torch.set_num_threads(threads)
+    torch.manual_seed(0)
+
+
+def model_path(workload: str | Path) -> str:
+    return str(Path(workload) / "model")
+
+
+def load_prompts(workload: str | Path, limit: int | None = None) -> list[dict[str, str]]:
+    """The benchmark dataset: a list of ``{"prompt": text}``, the first ``limit`` items when given."""
+    items = json.loads((Path(workload) / "prompts.json").read_text())["items"]
+    return items if limit is None else items[:limit]
+
+
+def team_reward(*completions: list[str]) -> list[float]:
+    """Cheap shared reward, the same for every library: total characters of the joint action / 100.
+
+    ``completions[i][k]`` is agent i's completion in joint action k; returns one float per joint action.
+    """
+    return [sum(len(text) for text in joint) / 100.0 for joint in zip(*completions)]
+
+
+class Clock:
+    """Wall and CPU time of the timed region, and the completions and tokens generated in it.
+
+    CPU time (all threads of this process) barely moves when other programs load the machine,
+    so it is reported next to wall time: on a shared machine its ratios are the steadier ones.
+    """
+
+    def __init__(self) -> None:
+        self.started = self.cpu_started = 0.0
+        self.seconds = self.cpu_seconds = 0.0
+        self.tokens = 0
+        self.completions = 0
+
+    def __enter__(self) -> Clock:
+        self.started, self.cpu_started = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.seconds = time.perf_counter() - self.started
+        self.cpu_seconds = time.process_time() - self.cpu_started
+
+
+def peak_rss_mb() -> float:
+    """Peak resident set size of this process in MiB (Linux reports ru_maxrss in KiB)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def report(
+    library: str,
+    args: argparse.Namespace,
+    clock: Clock,
+    setup_seconds: float,
+    expected_completions: int,
+    **extra: Any,
+) -> None:
+    """Print the run's one ``RESULT`` line; fail loudly when the library did not do the expected work."""
+    if clock.completions != expected_completions:
+        raise SystemExit(
+            f"{library}: generated {clock.completions} completions, expected {expected_completions} "
+            "(prompts x num_generations x agents); the runner's configuration is wrong"
+        )
+    result = {
+        "library": library,
+        "mode": args.mode,
+        "agents": args.agents,
+        "prompts": expected_completions // (NUM_GENERATIONS * args.agents),
+        "threads": args.threads,
+        "completions": clock.completions,
+        "tokens": clock.tokens,
+        "seconds": round(clock.seconds, 4),
+        "cpu_seconds": round(clock.cpu_seconds, 4),
+        "completions_per_s": clock.completions / clock.seconds,
+        "tokens_per_s": clock.tokens / clock.seconds,
+        "completions_per_cpu_s": clock.completions / clock.cpu_seconds,
+        "setup_seconds": round(setup_seconds, 3),
+        "peak_rss_mb": round(peak_rss_mb(), 1),
+        "python": sys.version.split()[0],
+        **extra,
+    }
+    print(RESULT_PREFIX + json.dumps(result), flush=True)

@@ -1,0 +1,100 @@
+"""The pure parts of the benchmark driver: medians, schedules, ratios, targets and the markdown tables."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+
+from bench import Case, build_cases, comparisons, markdown, median, schedule, summarize, targets  # noqa: E402
+
+
+def run(
+    library: str, mode: str, agents: int, cps: float, rss: float = 500.0, cpu_cps: float | None = None
+) -> dict:
+    """A runner's RESULT line with the fields the driver reads."""
+    return {
+        "library": library,
+        "mode": mode,
+        "agents": agents,
+        "completions_per_s": cps,
+        "tokens_per_s": cps * 32,
+        "completions_per_cpu_s": cps if cpu_cps is None else cpu_cps,
+        "seconds": 128 * agents / cps,
+        "cpu_seconds": 128 * agents / cps,
+        "peak_rss_mb": rss,
+    }
+
+
+def test_median_by_hand():
+    assert median([3.0, 1.0, 2.0]) == 2.0
+    assert median([4.0, 1.0, 3.0, 2.0]) == 2.5
+    with pytest.raises(ValueError, match="median: no values"):
+        median([])
+
+
+def test_cases_put_comarl_next_to_each_peer_and_odd_repeats_run_backwards():
+    cases = build_cases([1, 2], floor_agents=[1])
+    assert cases[:4] == [
+        Case("comarl", "peer", 1),
+        Case("comlrl", "peer", 1),
+        Case("floor", "peer", 1),
+        Case("trl", "peer", 1),
+    ]
+    assert Case("trl", "peer", 2) not in cases and Case("floor", "batched", 2) not in cases
+    assert len(cases) == 2 * (4 + 2)
+    plan = schedule(cases[:2], repeats=3)
+    assert plan == [cases[0], cases[1], cases[1], cases[0], cases[0], cases[1]]
+
+
+def test_summary_takes_medians_and_ratios_compare_like_with_like():
+    runs = [
+        run("comarl", "batched", 2, 10.0, rss=600, cpu_cps=12.0),
+        run("comarl", "batched", 2, 30.0, rss=640, cpu_cps=12.0),
+        run("comarl", "batched", 2, 20.0, rss=620, cpu_cps=12.0),
+        run("comlrl", "batched", 2, 4.0, rss=700, cpu_cps=3.0),
+        run("floor", "batched", 2, 16.0, rss=800),
+    ]
+    summary = summarize(runs)
+    ours = summary[Case("comarl", "batched", 2)]
+    assert ours["completions_per_s"] == 20.0 and ours["peak_rss_mb"] == 620 and ours["repeats"] == 3
+    rows = {r["peer"]: r for r in comparisons(summary)}
+    assert rows["comlrl"]["ratio"] == pytest.approx(5.0)  # 20 / 4
+    assert rows["comlrl"]["cpu_ratio"] == pytest.approx(4.0)  # 12 / 3
+    assert rows["floor"]["overhead"] == pytest.approx(0.8)  # 16 / 20: faster than the floor
+    found = targets(list(rows.values()))
+    assert found["comlrl_batched_2"] == {"value": pytest.approx(5.0), "needed": 5.0, "met": True}
+    assert found["floor"]["met"] and found["rss"]["value"] == pytest.approx(620 / 700)
+
+
+def test_targets_report_what_is_missed():
+    summary = summarize(
+        [
+            run("comarl", "peer", 1, 6.0, rss=520),
+            run("trl", "peer", 1, 5.0, rss=500),
+            run("floor", "peer", 1, 9.0),
+        ]
+    )
+    found = targets(comparisons(summary))
+    assert found["trl_peer_1"] == {"value": pytest.approx(1.2), "needed": 1.5, "met": False}
+    assert found["floor"] == {"value": pytest.approx(1.5), "needed": 1.3, "met": False}
+    assert "rss" not in found  # RSS is compared with CoMLRL only
+
+
+def test_markdown_tables():
+    summary = summarize(
+        [
+            run("comarl", "peer", 1, 6.0),
+            run("comarl", "peer", 2, 5.0),
+            run("comlrl", "peer", 1, 4.0, rss=700),
+            run("floor", "peer", 1, 5.0),
+        ]
+    )
+    text = markdown(comparisons(summary), summary)
+    assert "| peer | 1 | comlrl | 6.00 | 4.00 | **1.50x** | 1.50x | 192 | 128 | 500 | 700 |" in text
+    assert "| peer | 1 | 6.00 | 5.00 | **0.83x** | 500 | 500 |" in text
+    assert "| peer | 21.3 / 51.2 | 1.00 / 2.40 |" in text  # seconds per epoch for 1 and 2 agents
+    assert "| 2 agents, peer semantics: >= 1.5x CoMLRL's completions/s |" not in text  # not measured here
