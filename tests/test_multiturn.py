@@ -376,5 +376,7 @@ def test_multi_turn_eval_plays_independent_episodes(qwen_bpe):
 
 def test_environment_and_trainer_turn_limits_must_agree(qwen_bpe):
     env = env_with(always_continue, num_turns=3)
-    with pytest.raises(ConfigError, match=r"env.num_turns=3 but args.num_turns=1: set the trainer's num_turns"):
+    with pytest.raises(
+        ConfigError, match=r"env.num_turns=3 but args.num_turns=1: set the trainer's num_turns"
+    ):
         MAGRPOTrainer(model=qwen_bpe, train_dataset=ITEMS, env=env, args=MAGRPOConfig(prompts_per_step=1))
