@@ -166,15 +166,11 @@ class ActorCriticTrainer(MAGRPOTrainer):
         )
         M = gen.completion_ids.shape[0]
         micro = args.micro_batch_size or M
+        # Behaviour and reference log-probs under no_grad, only when the loss needs them.
+        batches = [slice(s, s + micro) for s in range(0, M, micro)]
         reused = args.num_iterations * args.num_mini_batches > 1
-        old_logp = (
-            self._logprobs(agent, gen, [slice(s, s + micro) for s in range(0, M, micro)]) if reused else None
-        )
-        ref = (
-            self._logprobs(agent, gen, [slice(s, s + micro) for s in range(0, M, micro)], self.references[i])
-            if self.references is not None
-            else None
-        )
+        old_logp = self._logprobs(agent, gen, batches) if reused else None
+        ref = self._logprobs(agent, gen, batches, self.references[i]) if self.references is not None else None
         for _ in range(args.num_iterations):
             totals = dict.fromkeys(("loss", "value_loss", "clip_fraction", "approx_kl", "entropy", "kl"), 0.0)
             for rows in self._mini_batches(M):
