@@ -139,6 +139,18 @@ def test_validation_errors_name_the_field(kwargs, message):
         MAGRPOConfig(**kwargs)
 
 
+def test_micro_batch_rows_follow_the_token_budget():
+    # 100 padded tokens per row: a 2048 budget holds 20 rows, micro_batch_size caps it, a long row still runs alone.
+    assert MAGRPOConfig().micro_batch_rows(rows=32, row_tokens=100) == 20
+    assert MAGRPOConfig(micro_batch_size=8, prompts_per_step=4).micro_batch_rows(rows=32, row_tokens=100) == 8
+    assert MAGRPOConfig(micro_batch_tokens=None).micro_batch_rows(rows=32, row_tokens=100) == 32
+    assert MAGRPOConfig(micro_batch_tokens=50).micro_batch_rows(rows=32, row_tokens=100) == 1
+    with pytest.raises(
+        ConfigError, match=r"micro_batch_tokens=0: must be an integer >= 1 \(or None for no budget\)"
+    ):
+        MAGRPOConfig(micro_batch_tokens=0)
+
+
 def test_micro_batch_size_must_divide_completions():
     with pytest.raises(
         ConfigError, match=r"micro_batch_size=5: .*prompts_per_step x num_generations = 4 x 4 = 16"

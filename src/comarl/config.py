@@ -39,7 +39,8 @@ class MAGRPOConfig:
     Batch arithmetic, per agent and per optimizer step::
 
         completions per agent = prompts_per_step x num_generations
-        micro-batches         = completions per agent / micro_batch_size   (gradient accumulation)
+        rows per micro-batch  = min(micro_batch_size, micro_batch_tokens // padded row length)  (>= 1;
+                                gradient accumulation, the loss normalised over the whole batch)
         joint actions / item  = num_generations            (joint_mode="aligned")
                               = num_generations ** N       (joint_mode="cross", or max_joint_actions)
 
@@ -60,6 +61,12 @@ class MAGRPOConfig:
         "Completions per forward/backward pass in the update; None = all completions of the step at once. "
         "Must divide prompts_per_step x num_generations.",
         default=None,
+    )
+    micro_batch_tokens: int | None = _help(
+        "Token budget of one forward/backward pass: at most this many padded prompt+completion tokens "
+        "(rows x row length, at least one row); caps micro_batch_size. Peak memory of the update grows with "
+        "it. None = no budget.",
+        default=2048,
     )
     shuffle: bool = _help("Reshuffle the dataset every epoch (seeded).", default=True)
     seed: int = _help("Seed for model init, sampling, data order and joint-action sampling.", default=42)
@@ -308,6 +315,12 @@ class MAGRPOConfig:
                 f"micro_batch_size={self.micro_batch_size}: must divide the completions each agent trains on per "
                 f"step, prompts_per_step x num_generations = {self.prompts_per_step} x {G} = {completions}"
             )
+        if self.micro_batch_tokens is not None and (
+            not isinstance(self.micro_batch_tokens, int) or self.micro_batch_tokens < 1
+        ):
+            raise ConfigError(
+                f"micro_batch_tokens={self.micro_batch_tokens!r}: must be an integer >= 1 (or None for no budget)"
+            )
         if self.max_joint_actions is not None:
             if self.joint_mode != "cross":
                 raise ConfigError(
@@ -326,6 +339,16 @@ class MAGRPOConfig:
             raise ConfigError(f"max_children={self.max_children}: must be >= 1 (or None for all)")
         if self.max_nodes < 1:
             raise ConfigError(f"max_nodes={self.max_nodes}: must be >= 1")
+
+    def micro_batch_rows(self, rows: int, row_tokens: int) -> int:
+        """Rows per forward/backward pass over ``rows`` rows of ``row_tokens`` padded tokens each.
+
+        ``min(micro_batch_size or rows, micro_batch_tokens // row_tokens)``, at least 1.
+        """
+        size = self.micro_batch_size or rows
+        if self.micro_batch_tokens is not None:
+            size = min(size, self.micro_batch_tokens // max(row_tokens, 1))
+        return max(size, 1)
 
     def validate_advantage(self) -> None:
         """The advantage fields: a group baseline and scale (the critic trainers override this)."""

@@ -165,7 +165,7 @@ class ActorCriticTrainer(MAGRPOTrainer):
             t.to(device) for t in (advantages, value_targets, old_values)
         )
         M = gen.completion_ids.shape[0]
-        micro = args.micro_batch_size or M
+        micro = args.micro_batch_rows(M, gen.prompt_ids.shape[1] + gen.completion_ids.shape[1])
         # Behaviour and reference log-probs under no_grad, only when the loss needs them.
         batches = [slice(s, s + micro) for s in range(0, M, micro)]
         reused = args.num_iterations * args.num_mini_batches > 1
@@ -248,7 +248,7 @@ class ActorCriticTrainer(MAGRPOTrainer):
         ids, mask = samples
         targets, old_values = targets.to(critic.device), old_values.to(critic.device)
         S = ids.shape[0]
-        micro = args.micro_batch_size or S
+        micro = args.micro_batch_rows(S, ids.shape[1])
         for _ in range(args.num_iterations):
             total = 0.0
             for rows in self._mini_batches(S):
@@ -329,8 +329,8 @@ class ActorCriticTrainer(MAGRPOTrainer):
         return inputs, node_targets, old
 
     def _batched(self, fn: Any, ids: torch.Tensor, mask: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """``fn(ids, mask)`` over micro-batches (one forward when micro_batch_size is None), on the CPU."""
-        step = self.args.micro_batch_size or ids.shape[0]
+        """``fn(ids, mask)`` over micro-batches (``micro_batch_rows``), on the CPU."""
+        step = self.args.micro_batch_rows(ids.shape[0], ids.shape[1])
         parts = []
         for s in range(0, ids.shape[0], step):
             with self._autocast(device):

@@ -240,7 +240,7 @@ class MAGRPOTrainer:
         device = agent.device
         advantages = advantages.to(device)
         M = gen.completion_ids.shape[0]
-        micro = args.micro_batch_size or M
+        micro = args.micro_batch_rows(M, gen.prompt_ids.shape[1] + gen.completion_ids.shape[1])
         num_tokens = gen.num_tokens
         batches = [slice(s, s + micro) for s in range(0, M, micro)]
         # Behaviour and reference log-probs only when the loss needs them.
