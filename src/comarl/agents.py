@@ -257,7 +257,8 @@ class Team:
     def __init__(self, agents: Sequence[Agent]) -> None:
         if not agents:
             raise ValueError("Team: give at least one Agent")
-        models = [id(a.model) for a in agents]
+        # An agent trained by another process (comarl.distributed.RemoteAgent) has no model here.
+        models = [id(getattr(a, "model", a)) for a in agents]
         for i, m in enumerate(models):
             if m in models[:i]:
                 j = models.index(m)

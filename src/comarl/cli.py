@@ -6,6 +6,7 @@ import argparse
 import importlib
 import importlib.util
 import json
+import os
 import sys
 from collections.abc import Callable
 from pathlib import Path
@@ -131,8 +132,10 @@ def _train(spec: RunSpec) -> int:
     if spec.task == "demo":
         from comarl.tasks import demo
 
-        out = Path(args.output_dir or "runs/demo")
-        paths = demo.build_team(out / "base_models", seed=args.seed)
+        base = Path(args.output_dir or "runs/demo") / "base_models"
+        if args.agent_parallel:  # every process builds the (identical) tiny team; each into its own folder
+            base = base / f"rank_{os.environ.get('RANK', '0')}"
+        paths = demo.build_team(base, seed=args.seed)
         trainer = trainer_cls(
             agents=[str(p) for p in paths],
             train_dataset=demo.dataset(),
@@ -171,7 +174,8 @@ def _train(spec: RunSpec) -> int:
     metrics = trainer.train()
     if trainer.eval_dataset is not None:
         metrics.update(trainer.evaluate())
-    print(json.dumps({k: round(v, 4) for k, v in metrics.items() if not k.startswith("time/")}, indent=1))
+    if trainer.parallel is None or trainer.parallel.rank == 0:
+        print(json.dumps({k: round(v, 4) for k, v in metrics.items() if not k.startswith("time/")}, indent=1))
     return 0
 
 

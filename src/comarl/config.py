@@ -199,6 +199,11 @@ class MAGRPOConfig:
         "Device per agent ('cpu', 'cuda:1', ...), one for all, or None = auto (agent i on GPU i mod #GPUs, else CPU).",
         default=None,
     )
+    agent_parallel: bool = _help(
+        "One process per agent under torchrun (rank i trains agent i; completions gathered each turn): agents "
+        "generate and update concurrently. Launch with torchrun --nproc-per-node=num_agents. See docs/distributed.md.",
+        default=False,
+    )
     bf16: bool = _help(
         "bf16 autocast for forward passes on GPU; weights and AdamW states stay fp32.", default=False
     )
@@ -501,6 +506,11 @@ class ActorCriticConfig(MAGRPOConfig):
         if self.scale != "none":
             raise ConfigError(
                 f"scale={self.scale!r}: actor-critic trainers normalise with whiten_advantages; remove scale="
+            )
+        if self.agent_parallel:
+            raise ConfigError(
+                "agent_parallel=True is not supported by the actor-critic trainers yet (their critics read every "
+                "agent's observation in one process); use a MAGRPO-family trainer or agent_devices="
             )
         if self.critic_type not in ("v", "q"):
             raise ConfigError(f"critic_type={self.critic_type!r}: choose 'v' or 'q'")

@@ -7,7 +7,7 @@ import itertools
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -15,6 +15,9 @@ from comarl.agents import Agent
 from comarl.algorithms import cross_returns
 from comarl.engines import Generation, HFEngine, SamplingParams, concat_generations
 from comarl.envs import Env, StepResult
+
+if TYPE_CHECKING:
+    from comarl.distributed import AgentParallel
 
 
 @dataclass
@@ -100,8 +103,12 @@ def generate_all(
     num_generations: int,
     params: SamplingParams,
     pool: Any = None,
+    parallel: AgentParallel | None = None,
 ) -> list[Generation]:
-    """One batched generate per agent; concurrent when a thread pool is given (agents on separate devices)."""
+    """One batched generate per agent: concurrent in threads when a pool is given (agents on separate devices),
+    or one agent per process when ``parallel`` is given (``comarl.distributed``)."""
+    if parallel is not None:
+        return parallel.generate_all(engine, agents, prompts, num_generations, params)
     jobs = [(agent, prompts[i]) for i, agent in enumerate(agents)]
     if pool is None:
         return [engine.generate(a, p, num_generations, params) for a, p in jobs]
@@ -126,6 +133,7 @@ def collect(
     early_termination_threshold: float | None = None,
     generator: torch.Generator | None = None,
     pool: Any = None,
+    parallel: AgentParallel | None = None,
 ) -> Rollout:
     """Play every item as a tree of turns and credit each completion with its return.
 
@@ -158,7 +166,7 @@ def collect(
             break
         started = time.perf_counter()
         gens = generate_all(
-            engine, agents, [[n.observations[i] for n in level] for i in range(N)], G, params, pool
+            engine, agents, [[n.observations[i] for n in level] for i in range(N)], G, params, pool, parallel
         )
         generate_seconds += time.perf_counter() - started
         level_generations.append(gens)
@@ -171,6 +179,8 @@ def collect(
             for j in range(len(level))
         ]
         level_results = env.step_many([n.episode for n in level], actions)
+        if parallel is not None:
+            parallel.check_same("rewards", [[r.rewards for r in row] for row in level_results])
         results.extend(level_results)
         next_level: list[_Node] = []
         for j, node in enumerate(level):
@@ -257,6 +267,7 @@ def greedy_returns(
     num_turns: int = 1,
     discount: float = 1.0,
     pool: Any = None,
+    parallel: AgentParallel | None = None,
 ) -> tuple[torch.Tensor, float]:
     """The return of the team's greedy play from every node of ``rollout``: ``[num_nodes, N]`` (ReMax baseline).
 
@@ -276,7 +287,7 @@ def greedy_returns(
     while active:
         started = time.perf_counter()
         gens = generate_all(
-            engine, agents, [[obs[i] for _, _, obs, _ in active] for i in range(N)], 1, params, pool
+            engine, agents, [[obs[i] for _, _, obs, _ in active] for i in range(N)], 1, params, pool, parallel
         )
         seconds += time.perf_counter() - started
         actions = [[[gens[i].completions[j] for i in range(N)]] for j in range(len(active))]

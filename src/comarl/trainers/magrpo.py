@@ -29,6 +29,7 @@ import torch
 from comarl.agents import Agent, Team
 from comarl.algorithms import aggregate_loss, clipped_surrogate, group_advantages, kl_k3
 from comarl.config import ConfigError, MAGRPOConfig, MAREINFORCEConfig, MAReMaxConfig, MARLOOConfig
+from comarl.distributed import AgentParallel, RemoteAgent, save_own_model
 from comarl.engines import Generation, HFEngine, SamplingParams
 from comarl.envs import Env, FunctionEnv, comlrl_transition
 from comarl.rollout import Rollout, collect, greedy_returns
@@ -125,29 +126,42 @@ class MAGRPOTrainer:
 
         set_seed(args.seed)
         devices = _agent_devices(args.agent_devices, n)
-        self.team = (
-            team
-            if team is not None
-            else Team(
-                [_load_agent(src, tokenizer, i, devices[i], model_config) for i, src in enumerate(sources)]
-            )
+        # Agent parallelism: this process loads and trains one agent; the others are RemoteAgents here.
+        self.parallel = AgentParallel(n) if args.agent_parallel else None
+        self.local = [self.parallel.rank] if self.parallel is not None else list(range(n))
+        if self.parallel is not None:
+            devices[self.parallel.rank] = self.parallel.device(devices)
+        members = list(team.agents) if team is not None else sources
+        self.team = Team(
+            [
+                (
+                    (src if team is not None else _load_agent(src, tokenizer, i, devices[i], model_config))
+                    if i in self.local
+                    else _remote_agent(src, tokenizer, i)
+                )
+                for i, src in enumerate(members)
+            ]
         )
-        for agent in self.team:
+        for i in self.local:
             if args.gradient_checkpointing:
-                agent.model.gradient_checkpointing_enable()
-            agent.model.train()
+                self.team[i].model.gradient_checkpointing_enable()
+            self.team[i].model.train()
         self.engine = HFEngine()
-        distinct = {str(a.device) for a in self.team}
+        distinct = {str(self.team[i].device) for i in self.local}
         # Agents on separate accelerators generate concurrently; on one device they take turns.
         self.pool = (
             ThreadPoolExecutor(max_workers=n)
-            if n > 1 and len(distinct) == n and "cpu" not in distinct
+            if self.parallel is None and n > 1 and len(distinct) == n and "cpu" not in distinct
             else None
         )
-        self.optimizers = [self._optimizer(agent) for agent in self.team]
+        self.optimizers = [self._optimizer(a) if i in self.local else None for i, a in enumerate(self.team)]
         self.total_steps = args.total_steps(len(train_dataset))
-        self.schedulers = [self._schedule(opt) for opt in self.optimizers]
-        self.references = [_frozen_copy(a.model) for a in self.team] if args.beta > 0 else None
+        self.schedulers = [self._schedule(opt) if opt is not None else None for opt in self.optimizers]
+        self.references = (
+            [_frozen_copy(a.model) if i in self.local else None for i, a in enumerate(self.team)]
+            if args.beta > 0
+            else None
+        )
         self.joint_generator = torch.Generator().manual_seed(args.seed + 1)
         self.step = 0
 
@@ -158,14 +172,16 @@ class MAGRPOTrainer:
 
         args = self.args
         run_dir = Path(args.output_dir) if args.output_dir else None
-        if run_dir is not None:
+        # Under agent parallelism every process trains and evaluates; process 0 logs and writes the run folder.
+        writer = self.parallel is None or self.parallel.rank == 0
+        if run_dir is not None and writer:
             run_dir.mkdir(parents=True, exist_ok=True)
             self._write_config(run_dir)
         last: dict[str, float] = {}
         with RunLogger(
-            run_dir,
+            run_dir if writer else None,
             total_steps=self.total_steps,
-            console=args.progress_bar,
+            console=args.progress_bar and writer,
             description=type(self).__name__.removesuffix("Trainer"),
         ) as logger:
             for items in self._batches():
@@ -203,6 +219,7 @@ class MAGRPOTrainer:
                 num_turns=args.num_turns,
                 discount=args.discount,
                 pool=self.pool,
+                parallel=self.parallel,
             )
             generate_seconds += seconds
             greedy = [baselines[:, i] for i in range(self.num_agents)]
@@ -218,9 +235,16 @@ class MAGRPOTrainer:
                 turns=rollout.depth,
             ).flatten()
             advantages.append(adv)
-            metrics.update(
-                {f"agent_{i}/{k}": v for k, v in self.update_agent(i, rollout.generations[i], adv).items()}
-            )
+            if i in self.local:
+                metrics.update(
+                    {
+                        f"agent_{i}/{k}": v
+                        for k, v in self.update_agent(i, rollout.generations[i], adv).items()
+                    }
+                )
+        if self.parallel is not None:  # every process reports every agent's update metrics
+            for part in self.parallel.gather({k: v for k, v in metrics.items() if k.startswith("agent_")}):
+                metrics.update(part)
         t2 = time.perf_counter()
         completions = sum(len(g.completions) for g in rollout.generations)
         metrics.update(
@@ -321,16 +345,21 @@ class MAGRPOTrainer:
                 num_generations=G // paths,
                 params=params,
                 **self._tree_settings(),
+                parallel=self.parallel,
             )
             for key, values in rollout_values(rollout).items():
                 parts.setdefault(key, []).append(values)
         return {f"eval/{k}": float(torch.cat(v).nanmean()) for k, v in parts.items() if torch.cat(v).numel()}
 
     def save_model(self, output_dir: str | Path) -> None:
-        """Write ``output_dir/agent_{i}/`` per agent, each loadable with ``from_pretrained``."""
-        for i, agent in enumerate(self.team):
+        """Write ``output_dir/agent_{i}/`` per agent, each loadable with ``from_pretrained`` (each process its own)."""
+        for i in self.local:
+            agent = self.team[i]
             path = Path(output_dir) / f"agent_{i}"
-            agent.model.save_pretrained(path)
+            if self.parallel is not None:
+                save_own_model(agent.model, path)
+            else:
+                agent.model.save_pretrained(path)
             agent.tokenizer.save_pretrained(path)
 
     # ------------------------------------------------------------------ helpers
@@ -366,6 +395,7 @@ class MAGRPOTrainer:
             **self._tree_settings(),
             generator=self.joint_generator,
             pool=self.pool,
+            parallel=self.parallel,
         )
 
     def _schedule(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
@@ -590,6 +620,26 @@ def _load_agent(
         if model_config and key in model_config:
             kwargs[key] = model_config[key]
     return Agent.from_pretrained(source, tok, device=device, model_kwargs=kwargs)
+
+
+def _remote_agent(source: Any, tokenizer: Any, i: int) -> RemoteAgent:
+    """Agent ``i`` as seen by a process that does not train it: its tokenizer only (agent parallelism)."""
+    from transformers import AutoTokenizer
+
+    from comarl.agents import prepare_tokenizer
+
+    if isinstance(source, Agent):
+        return RemoteAgent(source.tokenizer, source.source, source.role, source.learning_rate)
+    tok = tokenizer[i] if isinstance(tokenizer, (list, tuple)) else tokenizer
+    if tok is None:
+        if not isinstance(source, (str, Path)):
+            raise ConfigError(f"agent_parallel=True: agent {i} is a model object; pass tokenizer= for it")
+        tok = str(source)
+    if isinstance(tok, (str, Path)):
+        tok = AutoTokenizer.from_pretrained(str(tok))
+    return RemoteAgent(
+        prepare_tokenizer(copy.deepcopy(tok)), str(source) if isinstance(source, (str, Path)) else None
+    )
 
 
 def _agent_devices(spec: Any, n: int) -> list[str]:

@@ -1,0 +1,133 @@
+"""Agent parallelism on ``torch.distributed``: one process per agent, launched with torchrun.
+
+Rank ``i`` holds and trains agent ``i`` only. At every turn each process generates its own agent's
+completions, then one ``all_gather_object`` gives every process every agent's completions, so
+each plays the same joint actions in its own copy of the environment and computes the same
+rewards and advantages; each process then updates its own agent, and the per-agent metrics are
+gathered once per step. Agents therefore generate and update concurrently (separate GPUs, or
+separate CPU cores), and no process loads another agent's weights.
+
+Launch (CPU: gloo; GPUs: NCCL, one GPU per rank)::
+
+    torchrun --nproc-per-node=2 -m comarl train config.yaml --set args.agent_parallel=true
+
+Environments must be deterministic given the same joint actions (every process steps its own
+copy); ``check_same`` stops a run whose processes disagree instead of letting it deadlock.
+"""
+
+from __future__ import annotations
+
+import atexit
+import hashlib
+import os
+import pickle
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from comarl.config import ConfigError
+
+
+@dataclass
+class RemoteAgent:
+    """An agent trained by another process: here only its tokenizer (for padding) and its description."""
+
+    tokenizer: Any
+    source: str | None = None
+    role: str | None = None
+    learning_rate: float | None = None
+
+
+class AgentParallel:
+    """This process's place in a team run with one process per agent (``rank`` = the agent it trains)."""
+
+    def __init__(self, num_agents: int) -> None:
+        import torch.distributed as dist
+
+        if not dist.is_initialized():
+            if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+                raise ConfigError(
+                    "agent_parallel=True needs one process per agent: launch with "
+                    f"`torchrun --nproc-per-node={num_agents} ...` (or initialise torch.distributed yourself)"
+                )
+            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            dist.init_process_group(backend=backend)
+            # A group left open hangs the interpreter's exit (gloo); the group we opened we also close.
+            atexit.register(dist.destroy_process_group)
+        if dist.get_world_size() != num_agents:
+            raise ConfigError(
+                f"agent_parallel=True: the world has {dist.get_world_size()} processes for {num_agents} agents; "
+                f"launch with --nproc-per-node={num_agents}"
+            )
+        self.rank = dist.get_rank()
+        self.world_size = num_agents
+        self._dist = dist
+
+    def device(self, devices: Sequence[str]) -> str:
+        """This rank's device: its entry of ``devices``, or ``cuda:LOCAL_RANK`` when agents share 'cuda'."""
+        device = devices[self.rank]
+        if device == "cuda":
+            return f"cuda:{int(os.environ.get('LOCAL_RANK', self.rank))}"
+        return device
+
+    def generate_all(
+        self,
+        engine: Any,
+        agents: Sequence[Any],
+        prompts: Sequence[Sequence[Any]],
+        num_generations: int,
+        params: Any,
+    ) -> list[Any]:
+        """This rank generates for its agent; every rank receives every agent's ``Generation`` (on the CPU)."""
+        own = engine.generate(agents[self.rank], prompts[self.rank], num_generations, params)
+        gathered = self.gather(_to_cpu(own))
+        gathered[self.rank] = own
+        return gathered
+
+    def gather(self, obj: Any) -> list[Any]:
+        """``obj`` of every rank, in rank order."""
+        out: list[Any] = [None] * self.world_size
+        self._dist.all_gather_object(out, obj)
+        return out
+
+    def check_same(self, what: str, obj: Any) -> None:
+        """Stop with a clear error when ranks hold different ``obj`` (e.g. rewards of a non-deterministic env)."""
+        digest = hashlib.sha256(pickle.dumps(obj)).hexdigest()
+        digests = self.gather(digest)
+        if len(set(digests)) > 1:
+            raise RuntimeError(
+                f"agent_parallel: the processes computed different {what} (by rank: {digests}); the environment "
+                "and reward must be deterministic given the joint actions, since every process steps its own copy"
+            )
+
+    def barrier(self) -> None:
+        self._dist.barrier()
+
+
+def _to_cpu(generation: Any) -> Any:
+    """A copy of a ``Generation`` with its tensors on the CPU (what ``all_gather_object`` sends)."""
+    from dataclasses import replace
+
+    return replace(
+        generation,
+        prompt_ids=generation.prompt_ids.cpu(),
+        prompt_mask=generation.prompt_mask.cpu(),
+        completion_ids=generation.completion_ids.cpu(),
+        completion_mask=generation.completion_mask.cpu(),
+    )
+
+
+def save_own_model(model: Any, path: Any) -> None:
+    """``model.save_pretrained(path)`` from any rank.
+
+    Once torch.distributed is initialised, transformers writes weights only on rank 0
+    (``should_save_on_this_rank``: it assumes every rank holds a shard of one model); here every rank
+    owns a different agent, so the check is lifted for this one call.
+    """
+    model.should_save_on_this_rank = lambda is_main_process: is_main_process
+    try:
+        model.save_pretrained(path)
+    finally:
+        del model.should_save_on_this_rank
