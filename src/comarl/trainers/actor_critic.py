@@ -50,7 +50,7 @@ from comarl.critics import (
 from comarl.engines import Generation
 from comarl.envs import prompt_text
 from comarl.rollout import Rollout
-from comarl.trainers.magrpo import MAGRPOTrainer, lr_lambda, rollout_metrics
+from comarl.trainers.magrpo import MAGRPOTrainer, fused_adamw, lr_lambda, rollout_metrics
 
 
 class ActorCriticTrainer(MAGRPOTrainer):
@@ -85,7 +85,12 @@ class ActorCriticTrainer(MAGRPOTrainer):
             ]
             self.schedulers = [self._schedule(opt) for opt in self.optimizers]
         self.critic_optimizers = [
-            torch.optim.AdamW(c.parameters(), lr=a.critic_learning_rate, betas=(a.adam_beta1, a.adam_beta2))
+            torch.optim.AdamW(
+                list(c.parameters()),
+                lr=a.critic_learning_rate,
+                betas=(a.adam_beta1, a.adam_beta2),
+                fused=fused_adamw(list(c.parameters())),
+            )
             for c in self.critics
         ]
         self.shuffle_generator = torch.Generator().manual_seed(a.seed + 2)
