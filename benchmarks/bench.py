@@ -37,7 +37,13 @@ from typing import Any
 HERE = Path(__file__).resolve().parent
 TORCH_REQUIREMENT = "torch==2.13.0"
 PEER_REQUIREMENTS = {"comlrl": "comlrl==1.4.3", "trl": "trl==1.16.0"}
-RUNNERS = {"comarl": "run_comarl.py", "comlrl": "run_comlrl.py", "trl": "run_trl.py", "floor": "floor.py"}
+RUNNERS = {
+    "comarl": "run_comarl.py",
+    "comlrl": "run_comlrl.py",
+    "trl": "run_trl.py",
+    "floor": "floor.py",
+    "comarl-ap": "run_comarl.py",  # agent-parallel: one process per agent under torchrun (N cores for N agents)
+}
 RESULT_PREFIX = "RESULT "
 MODES = ("peer", "batched")
 TARGETS_TEXT = {
@@ -47,6 +53,7 @@ TARGETS_TEXT = {
     "trl_batched_1": "1 agent, batched: >= 1.5x TRL's completions/s",
     "floor": "overhead over the hand-written loop <= 1.3x (every measured case)",
     "rss": "peak RSS <= CoMLRL's (every case)",
+    "scaling": "agents as processes: seconds per epoch with N agents < N x one agent's (every N measured)",
 }
 
 
@@ -65,6 +72,8 @@ def build_cases(agent_counts: Sequence[int], floor_agents: Sequence[int]) -> lis
     for mode in MODES:
         for n in agent_counts:
             cases += [Case("comarl", mode, n), Case("comlrl", mode, n)]
+            if n > 1:
+                cases.append(Case("comarl-ap", mode, n))
             if n in floor_agents:
                 cases.append(Case("floor", mode, n))
             if n == 1:
@@ -116,7 +125,7 @@ def comparisons(summary: dict[Case, dict[str, float]]) -> list[dict[str, Any]]:
     rows = []
     for case, peer in sorted(summary.items(), key=lambda kv: _order(kv[0])):
         library, mode, agents = case.library, case.mode, case.agents
-        if library == "comarl" or Case("comarl", mode, agents) not in summary:
+        if library in ("comarl", "comarl-ap") or Case("comarl", mode, agents) not in summary:
             continue
         ours = summary[Case("comarl", mode, agents)]
         ratio = ours["completions_per_s"] / peer["completions_per_s"]
@@ -139,12 +148,54 @@ def comparisons(summary: dict[Case, dict[str, float]]) -> list[dict[str, Any]]:
     return rows
 
 
+def agent_parallel_rows(summary: dict[Case, dict[str, float]]) -> list[dict[str, Any]]:
+    """One row per agent-parallel case: its speed against comarl in one process and against CoMLRL.
+
+    ``vs_one_process`` and ``vs_comlrl`` are wall-clock speed ratios (the agent-parallel run uses one
+    core per agent, the others one core in all); ``cpu_vs_comlrl`` compares completions per CPU second;
+    ``scaling`` = seconds per epoch / seconds of comarl with one agent in the same mode.
+    """
+    rows = []
+    for case in sorted(summary, key=_order):
+        if case.library != "comarl-ap":
+            continue
+        ours = summary[case]
+        one_process = summary.get(Case("comarl", case.mode, case.agents))
+        comlrl = summary.get(Case("comlrl", case.mode, case.agents))
+        single = summary.get(Case("comarl", case.mode, 1))
+        rows.append(
+            {
+                "mode": case.mode,
+                "agents": case.agents,
+                "completions_per_s": ours["completions_per_s"],
+                "vs_one_process": ours["completions_per_s"] / one_process["completions_per_s"]
+                if one_process
+                else None,
+                "vs_comlrl": ours["completions_per_s"] / comlrl["completions_per_s"] if comlrl else None,
+                "cpu_vs_comlrl": (
+                    ours["completions_per_cpu_s"] / comlrl["completions_per_cpu_s"] if comlrl else None
+                ),
+                "seconds": ours["seconds"],
+                "scaling": ours["seconds"] / single["seconds"] if single else None,
+                "rss_mb": ours["peak_rss_mb"],
+            }
+        )
+    return rows
+
+
 def _order(case: Case) -> tuple[int, int, int]:
     return MODES.index(case.mode), case.agents, list(RUNNERS).index(case.library)
 
 
-def targets(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
-    """Each target of issue 6 with the measured value (wall-clock ratio) and whether it is met."""
+def targets(
+    rows: Sequence[dict[str, Any]], parallel: Sequence[dict[str, Any]] = ()
+) -> dict[str, dict[str, Any]]:
+    """Each target of issue 6 with the measured value (wall-clock ratio) and whether it is met.
+
+    The speed targets compare comarl in one process (one core, like every peer); agent-parallel runs
+    (``parallel``, from ``agent_parallel_rows``) only answer the scaling target: the largest
+    ``scaling / agents`` must stay below 1.
+    """
     by_key = {(r["peer"], r["mode"], r["agents"]): r for r in rows}
     found: dict[str, dict[str, Any]] = {}
     for key, peer, mode, agents, needed in (
@@ -162,6 +213,9 @@ def targets(rows: Sequence[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     rss = [r["comarl_rss_mb"] / r["peer_rss_mb"] for r in rows if r["peer"] == "comlrl"]
     if rss:
         found["rss"] = {"value": max(rss), "needed": 1.0, "met": max(rss) <= 1.0}
+    per_agent = [r["scaling"] / r["agents"] for r in parallel if r["scaling"] is not None]
+    if per_agent:
+        found["scaling"] = {"value": max(per_agent), "needed": 1.0, "met": max(per_agent) < 1.0}
     return found
 
 
@@ -210,7 +264,27 @@ def markdown(rows: Sequence[dict[str, Any]], summary: dict[Case, dict[str, float
             lines.append(
                 f"| {mode} | {' / '.join(f'{s:.1f}' for s in seconds)} | {' / '.join(f'{s / seconds[0]:.2f}' for s in seconds)} |"
             )
-    found = targets(rows)
+    parallel = agent_parallel_rows(summary)
+    if parallel:
+        lines += [
+            "",
+            "Agents as processes (`agent_parallel=True`, torchrun, one core per agent; the rows above use one core):",
+            "",
+            "| mode | agents | compl/s | vs comarl, one process | vs CoMLRL (wall) | vs CoMLRL (per CPU s) "
+            "| s / epoch | relative to 1 agent | RSS MiB, all processes |",
+            "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        ]
+
+        def fmt(value: float | None, suffix: str = "") -> str:
+            return "-" if value is None else f"{value:.2f}{suffix}"
+
+        for r in parallel:
+            lines.append(
+                f"| {r['mode']} | {r['agents']} | {r['completions_per_s']:.2f} | {fmt(r['vs_one_process'], 'x')} "
+                f"| {fmt(r['vs_comlrl'], 'x')} | {fmt(r['cpu_vs_comlrl'], 'x')} | {r['seconds']:.1f} "
+                f"| {fmt(r['scaling'])} | {r['rss_mb']:.0f} |"
+            )
+    found = targets(rows, parallel)
     if found:
         lines += ["", "| target | measured | met |", "|---|---:|---|"]
         for key, t in found.items():
@@ -251,8 +325,11 @@ def run_case(
     case: Case, python: Path, workload: Path, threads: int, prompts: int | None, timeout: float
 ) -> dict[str, Any]:
     """Run one case in a fresh process and return its RESULT line as a dict."""
+    launcher = [str(python)]
+    if case.library == "comarl-ap":
+        launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={case.agents}"]
     command = [
-        str(python),
+        *launcher,
         str(HERE / RUNNERS[case.library]),
         "--workload",
         str(workload),
@@ -265,6 +342,8 @@ def run_case(
     ]
     if prompts is not None:
         command += ["--prompts", str(prompts)]
+    if case.library == "comarl-ap":
+        command.append("--agent-parallel")
     env = {
         **os.environ,
         "OMP_NUM_THREADS": str(threads),
@@ -297,7 +376,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads of every runner (default 1)")
     parser.add_argument("--agents", default="1,2,3", help="agent counts measured against CoMLRL")
     parser.add_argument("--floor-agents", default="1,2", help="agent counts for the hand-written floor")
-    parser.add_argument("--libraries", default="comarl,comlrl,trl,floor", help="subset of libraries to run")
+    parser.add_argument(
+        "--libraries", default="comarl,comlrl,trl,floor,comarl-ap", help="subset of libraries to run"
+    )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run before it is abandoned")
     parser.add_argument("--out", default=str(HERE / "results"), help="folder for <date>.json and <date>.md")
     parser.add_argument(
@@ -325,7 +406,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     from workload import build_workload
 
     workload = build_workload(HERE / ".workload")
-    pythons = {"comarl": Path(sys.executable), "floor": Path(sys.executable)}
+    pythons = {
+        "comarl": Path(sys.executable),
+        "floor": Path(sys.executable),
+        "comarl-ap": Path(sys.executable),
+    }
     for name, requirement in PEER_REQUIREMENTS.items():
         if name in libraries:
             pythons[name] = ensure_venv(name, requirement)
@@ -379,7 +464,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         "versions": versions,
         "summary": [{**asdict(c), **v} for c, v in summary.items()],
         "comparisons": rows,
-        "targets": targets(rows),
+        "agent_parallel": agent_parallel_rows(summary),
+        "targets": targets(rows, agent_parallel_rows(summary)),
         "runs": runs,
     }
     (out / f"{stamp}.json").write_text(json.dumps(record, indent=1))

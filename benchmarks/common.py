@@ -39,6 +39,11 @@ def runner_args(description: str) -> argparse.Namespace:
     parser.add_argument("--agents", type=int, default=1)
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads for this process")
     parser.add_argument("--prompts", type=int, default=None, help="use only the first N prompts (smoke runs)")
+    parser.add_argument(
+        "--agent-parallel",
+        action="store_true",
+        help="comarl only: one process per agent (launched by torchrun with --nproc-per-node=agents)",
+    )
     args = parser.parse_args()
     # Same intra-op threads for every library; set before torch is imported anywhere.
     os.environ["OMP_NUM_THREADS"] = str(args.threads)

@@ -14,6 +14,7 @@ from common import (
     Clock,
     load_prompts,
     model_path,
+    peak_rss_mb,
     report,
     runner_args,
     set_threads,
@@ -42,6 +43,7 @@ def build_trainer(args: Any, prompts: list[dict[str, str]]) -> Any:
         output_dir=None,
         shuffle=False,
         agent_devices="cpu",
+        agent_parallel=args.agent_parallel,
     )
     trainer = MAGRPOTrainer(
         model=model_path(args.workload),
@@ -73,13 +75,29 @@ def main() -> None:
     setup_seconds = time.perf_counter() - started
     with clock:
         trainer.train()
+    extra = {}
+    if trainer.parallel is not None:
+        # One process per agent: each counted its own agent. The team's numbers: completions, tokens and CPU
+        # time summed over the processes, wall time of the slowest, memory summed (and the largest process).
+        parts = trainer.parallel.gather(
+            (clock.completions, clock.tokens, clock.cpu_seconds, clock.seconds, peak_rss_mb())
+        )
+        if trainer.parallel.rank != 0:
+            return
+        clock.completions, clock.tokens = sum(p[0] for p in parts), sum(p[1] for p in parts)
+        clock.cpu_seconds, clock.seconds = sum(p[2] for p in parts), max(p[3] for p in parts)
+        extra = {
+            "peak_rss_mb": round(sum(p[4] for p in parts), 1),
+            "peak_rss_mb_per_process": round(max(p[4] for p in parts), 1),
+        }
     report(
-        "comarl",
+        "comarl-ap" if trainer.parallel is not None else "comarl",
         args,
         clock,
         setup_seconds,
         expected_completions=len(prompts) * NUM_GENERATIONS * args.agents,
         optimizer_steps=trainer.step,
+        **extra,
     )
 
 

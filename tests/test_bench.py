@@ -9,7 +9,17 @@ import pytest
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 
-from bench import Case, build_cases, comparisons, markdown, median, schedule, summarize, targets  # noqa: E402
+from bench import (  # noqa: E402
+    Case,
+    agent_parallel_rows,
+    build_cases,
+    comparisons,
+    markdown,
+    median,
+    schedule,
+    summarize,
+    targets,
+)
 
 
 def run(
@@ -45,7 +55,8 @@ def test_cases_put_comarl_next_to_each_peer_and_odd_repeats_run_backwards():
         Case("trl", "peer", 1),
     ]
     assert Case("trl", "peer", 2) not in cases and Case("floor", "batched", 2) not in cases
-    assert len(cases) == 2 * (4 + 2)
+    assert Case("comarl-ap", "peer", 2) in cases and Case("comarl-ap", "peer", 1) not in cases
+    assert len(cases) == 2 * (4 + 3)
     plan = schedule(cases[:2], repeats=3)
     assert plan == [cases[0], cases[1], cases[1], cases[0], cases[0], cases[1]]
 
@@ -98,3 +109,29 @@ def test_markdown_tables():
     assert "| peer | 1 | 6.00 | 5.00 | **0.83x** | 500 | 500 |" in text
     assert "| peer | 21.3 / 51.2 | 1.00 / 2.40 |" in text  # seconds per epoch for 1 and 2 agents
     assert "| 2 agents, peer semantics: >= 1.5x CoMLRL's completions/s |" not in text  # not measured here
+
+
+def test_agent_parallel_rows_compare_with_one_process_and_comlrl_and_give_the_scaling():
+    summary = summarize(
+        [
+            run("comarl", "batched", 1, 20.0),  # 6.4 s per epoch
+            run("comarl", "batched", 2, 20.0),  # 12.8 s
+            run("comarl-ap", "batched", 2, 32.0, cpu_cps=16.0),  # 8.0 s
+            run("comlrl", "batched", 2, 8.0),
+            run("comarl-ap", "batched", 3, 24.0),  # 16.0 s
+        ]
+    )
+    rows = agent_parallel_rows(summary)
+    two, three = rows
+    assert two["vs_one_process"] == pytest.approx(1.6) and two["vs_comlrl"] == pytest.approx(4.0)
+    assert two["cpu_vs_comlrl"] == pytest.approx(2.0)  # 16 / 8 completions per CPU second
+    assert two["scaling"] == pytest.approx(8.0 / 6.4) and three["scaling"] == pytest.approx(16.0 / 6.4)
+    assert three["vs_one_process"] is None and three["vs_comlrl"] is None
+    # the target: seconds(N) / seconds(1) / N, worst case 2.5 / 3 < 1
+    found = targets(comparisons(summary), rows)
+    assert found["scaling"] == {"value": pytest.approx(2.5 / 3), "needed": 1.0, "met": True}
+    # agent-parallel runs never enter the one-core comparisons
+    assert all(r["peer"] != "comarl-ap" for r in comparisons(summary))
+    text = markdown(comparisons(summary), summary)
+    assert "| batched | 2 | 32.00 | 1.60x | 4.00x | 2.00x | 8.0 | 1.25 | 500 |" in text
+    assert "| batched | 3 | 24.00 | - | - | - | 16.0 | 2.50 | 500 |" in text
