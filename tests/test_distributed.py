@@ -12,7 +12,8 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from comarl import ConfigError, MAACConfig, MAREINFORCEConfig, MAREINFORCETrainer
+import comarl
+from comarl import ConfigError, MAREINFORCEConfig, MAREINFORCETrainer
 
 DATA = [{"prompt": p} for p in ("def add(a, b):", "the agents meet at", "alice and bob", "return a + b")]
 
@@ -41,22 +42,10 @@ def run_args(**kw) -> dict:
     return base
 
 
-@pytest.mark.slow
-def test_two_processes_train_what_one_process_trains(qwen_bpe, llama_word, tmp_path):
-    single = MAREINFORCETrainer(
-        agents=[qwen_bpe, llama_word],
-        train_dataset=DATA,
-        eval_dataset=DATA,
-        reward_func=two_word_reward,
-        args=MAREINFORCEConfig(**run_args()),
-    )
-    expected = single.train()
-    expected_eval = single.evaluate()
-
-    out = tmp_path / "run"
+def _launch(trainer: str, agents: list[str], out: Path, overrides: dict) -> list[dict]:
+    """Run tests/agent_parallel_worker.py in two processes (torchrun, gloo); each writes rank_<r>.json."""
     out.mkdir()
-    spec = json.dumps({"agents": [qwen_bpe, llama_word], "output_dir": str(out)})
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    spec = json.dumps({"trainer": trainer, "agents": agents, "output_dir": str(out), "overrides": overrides})
     launched = subprocess.run(
         [
             sys.executable,
@@ -67,23 +56,56 @@ def test_two_processes_train_what_one_process_trains(qwen_bpe, llama_word, tmp_p
             str(Path(__file__).parent / "agent_parallel_worker.py"),
             spec,
         ],
-        env=env,
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
         capture_output=True,
         text=True,
         timeout=300,
     )
     assert launched.returncode == 0, launched.stderr[-3000:]
-    ranks = [json.loads((out / f"rank_{r}.json").read_text()) for r in range(2)]
+    return [json.loads((out / f"rank_{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("trainer", "overrides", "saved"),
+    [
+        ("MAREINFORCE", {}, []),
+        ("IPPO", {"num_iterations": 2}, ["agent_0/value_head.pt", "agent_1/value_head.pt"]),
+        ("MAPPO", {"num_iterations": 2}, ["critic/value_head.pt"]),
+    ],
+)
+def test_two_processes_train_what_one_process_trains(
+    qwen_bpe, llama_word, tmp_path, trainer, overrides, saved
+):
+    """Same rewards, per-agent (and critic) metrics, evaluation and saved weights as one process."""
+    agents = [qwen_bpe, llama_word]
+    single = getattr(comarl, f"{trainer}Trainer")(
+        agents=agents,
+        train_dataset=DATA,
+        eval_dataset=DATA,
+        reward_func=two_word_reward,
+        args=getattr(comarl, f"{trainer}Config")(**run_args(**overrides)),
+    )
+    expected = single.train()
+    expected_eval = single.evaluate()
+
+    out = tmp_path / "run"
+    ranks = _launch(trainer, agents, out, overrides)
     assert [r["local"] for r in ranks] == [[0], [1]]
-    for r in ranks:  # every process reports the team's and every agent's metrics, equal to the single run's
-        for key in ("reward", "agent_0/reward", "agent_1/reward", "agent_0/grad_norm", "agent_1/grad_norm"):
-            assert r["metrics"][key] == pytest.approx(expected[key], rel=1e-5), key
+    compared = [k for k in expected if not k.startswith("time/") and k != "completions_per_s"]
+    assert any(k.startswith("agent_1/") for k in compared)
+    for r in ranks:  # every process reports the team's, every agent's and the critics' metrics
+        assert sorted(k for k in r["metrics"] if k in compared) == sorted(compared)
+        for key in compared:
+            assert r["metrics"][key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
         assert r["eval"]["eval/reward"] == pytest.approx(expected_eval["eval/reward"], rel=1e-5)
-    # Each process saved its own agent; the weights equal the single process's.
+    # Each process saved what it holds; the weights equal the single process's.
     for i, agent in enumerate(single.team):
-        saved = AutoModelForCausalLM.from_pretrained(out / "agents" / f"agent_{i}")
-        for (name, p), q in zip(agent.model.named_parameters(), saved.parameters()):
+        loaded = AutoModelForCausalLM.from_pretrained(out / "agents" / f"agent_{i}")
+        for (name, p), q in zip(agent.model.named_parameters(), loaded.parameters()):
             assert torch.allclose(p, q, atol=1e-6), (i, name)
+    for path in saved:
+        assert (out / "agents" / path).exists(), path
     assert (out / "metrics.jsonl").exists()  # process 0 writes the run folder
 
 
@@ -100,10 +122,3 @@ def test_agent_parallel_needs_torchrun(qwen_bpe, monkeypatch):
             reward_func=two_word_reward,
             args=MAREINFORCEConfig(**run_args(agent_parallel=True)),
         )
-
-
-def test_actor_critic_trainers_refuse_agent_parallel():
-    with pytest.raises(
-        ConfigError, match=r"agent_parallel=True is not supported by the actor-critic trainers yet"
-    ):
-        MAACConfig(agent_parallel=True)

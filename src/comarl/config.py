@@ -507,11 +507,6 @@ class ActorCriticConfig(MAGRPOConfig):
             raise ConfigError(
                 f"scale={self.scale!r}: actor-critic trainers normalise with whiten_advantages; remove scale="
             )
-        if self.agent_parallel:
-            raise ConfigError(
-                "agent_parallel=True is not supported by the actor-critic trainers yet (their critics read every "
-                "agent's observation in one process); use a MAGRPO-family trainer or agent_devices="
-            )
         if self.critic_type not in ("v", "q"):
             raise ConfigError(f"critic_type={self.critic_type!r}: choose 'v' or 'q'")
         if self.critic_type == "q":

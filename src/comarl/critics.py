@@ -178,6 +178,8 @@ class CriticModel(nn.Module):
         return self.head(last_token_hidden(self.model, input_ids, attention_mask))
 
     def save(self, directory: str | Path) -> None:
-        self.model.save_pretrained(directory)
+        from comarl.distributed import save_own_model
+
+        save_own_model(self.model, directory)  # from whichever process holds this critic
         self.tokenizer.save_pretrained(directory)
         self.head.save(directory)

@@ -61,29 +61,39 @@ class ActorCriticTrainer(MAGRPOTrainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         a, N = self.args, self.num_agents
-        self.value_heads: list[ValueHead] | None = None
-        self.critics: list[CriticModel] = []
+        # Under agent parallelism a process holds the critics of its own agent; the centralized critic
+        # lives with agent 0. Entries of critics, heads and optimizers this process does not hold are None.
+        self.value_heads: list[ValueHead | None] | None = None
+        self.critics: list[CriticModel | None] = []
         if a.centralized_critic:
             source = a.critic_model or self.team[0].source
             if source is None:
                 raise ConfigError(
                     "centralized_critic: set critic_model= (agent 0 was given as an object, not a path)"
                 )
-            self.critics = [CriticModel.from_pretrained(source, outputs=N, device=self.team[0].device)]
+            self.critics = [
+                CriticModel.from_pretrained(source, outputs=N, device=self.team[0].device)
+                if 0 in self.local
+                else None
+            ]
         elif a.critic_model is not None:
             self.critics = [
-                CriticModel.from_pretrained(a.critic_model, 1, agent.device) for agent in self.team
+                CriticModel.from_pretrained(a.critic_model, 1, agent.device) if i in self.local else None
+                for i, agent in enumerate(self.team)
             ]
         else:
             self.value_heads = [
                 ValueHead.load_or_new(_local_dir(agent.source), hidden_size(agent.model), 1).to(agent.device)
-                for agent in self.team
+                if i in self.local
+                else None
+                for i, agent in enumerate(self.team)
             ]
             # The head trains with its agent (same forward, same optimizer step), at the critic's learning rate.
             self.optimizers = [
-                self._optimizer(agent, head) for agent, head in zip(self.team, self.value_heads)
+                self._optimizer(agent, head) if i in self.local else None
+                for i, (agent, head) in enumerate(zip(self.team, self.value_heads))
             ]
-            self.schedulers = [self._schedule(opt) for opt in self.optimizers]
+            self.schedulers = [self._schedule(opt) if opt is not None else None for opt in self.optimizers]
         self.critic_optimizers = [
             torch.optim.AdamW(
                 list(c.parameters()),
@@ -91,9 +101,16 @@ class ActorCriticTrainer(MAGRPOTrainer):
                 betas=(a.adam_beta1, a.adam_beta2),
                 fused=fused_adamw(list(c.parameters())),
             )
+            if c is not None
+            else None
             for c in self.critics
         ]
-        self.shuffle_generator = torch.Generator().manual_seed(a.seed + 2)
+        # One mini-batch shuffle stream per agent and per critic: a process that holds one of them (agent
+        # parallelism) draws the same orders as one process holding all.
+        self.actor_shuffles = [torch.Generator().manual_seed(a.seed + 2 + i) for i in range(N)]
+        self.critic_shuffles = [
+            torch.Generator().manual_seed(a.seed + 2 + N + c) for c in range(len(self.critics))
+        ]
 
     # ------------------------------------------------------------------ one training step
     def training_step(self, items: Sequence[Any]) -> tuple[dict[str, float], list[dict[str, Any]]]:
@@ -129,17 +146,24 @@ class ActorCriticTrainer(MAGRPOTrainer):
             advantages.append(whiten(adv) if args.whiten_advantages else adv)
             value_targets.append(credited.flatten())
 
-        for i in range(N):
+        for i in self.local:
             old_values = node_values[:, i].repeat_interleave(G)
             stats = self.update_actor(i, rollout.generations[i], advantages[i], value_targets[i], old_values)
             stats["explained_variance"] = explained_variance(old_values, value_targets[i])
             metrics.update({f"agent_{i}/{k}": v for k, v in stats.items()})
-        for c in range(len(self.critics)):
+        for c, critic in enumerate(self.critics):
+            if critic is None:
+                continue
             agent = None if args.centralized_critic else c
             samples, sample_targets, sample_old = self._critic_samples(critic_inputs[c], targets, old, agent)
             prefix = "critic" if args.centralized_critic else f"critic_{c}"
             stats = self.update_critic(c, samples, sample_targets, sample_old)
             metrics.update({f"{prefix}/{k}": v for k, v in stats.items()})
+        if self.parallel is not None:  # every process reports every agent's and critic's metrics
+            for part in self.parallel.gather(
+                {k: v for k, v in metrics.items() if k.startswith(("agent_", "critic"))}
+            ):
+                metrics.update(part)
         t2 = time.perf_counter()
         completions = sum(len(g.completions) for g in rollout.generations)
         metrics.update(
@@ -178,7 +202,7 @@ class ActorCriticTrainer(MAGRPOTrainer):
         ref = self._logprobs(agent, gen, batches, self.references[i]) if self.references is not None else None
         for _ in range(args.num_iterations):
             totals = dict.fromkeys(("loss", "value_loss", "clip_fraction", "approx_kl", "entropy", "kl"), 0.0)
-            for rows in self._mini_batches(M):
+            for rows in self._mini_batches(M, self.actor_shuffles[i]):
                 size, tokens = len(rows), int(gen.completion_mask[rows].sum())
                 for mb in rows.split(micro):
                     mask = gen.completion_mask[mb]
@@ -256,7 +280,7 @@ class ActorCriticTrainer(MAGRPOTrainer):
         micro = args.micro_batch_rows(S, ids.shape[1])
         for _ in range(args.num_iterations):
             total = 0.0
-            for rows in self._mini_batches(S):
+            for rows in self._mini_batches(S, self.critic_shuffles[c]):
                 for mb in rows.split(micro):
                     with self._autocast(critic.device):
                         values = critic(ids[mb], mask[mb])
@@ -281,40 +305,50 @@ class ActorCriticTrainer(MAGRPOTrainer):
         nodes = len(rollout.states)
         roots = torch.arange(nodes) * G  # row of each node's first sample: its prompt
         if self.value_heads is not None:
-            values = torch.stack(
-                [
-                    self._batched(
-                        lambda ids, mask, i=i: self.value_heads[i](
-                            last_token_hidden(self.team[i].model, ids, mask)
-                        ),
-                        rollout.generations[i].prompt_ids[roots],
-                        rollout.generations[i].prompt_mask[roots],
-                        self.team[i].device,
-                    )[:, 0]
-                    for i in range(N)
-                ],
-                dim=1,
-            )
-            return [], values
+            columns = {
+                i: self._batched(
+                    lambda ids, mask, i=i: self.value_heads[i](
+                        last_token_hidden(self.team[i].model, ids, mask)
+                    ),
+                    rollout.generations[i].prompt_ids[roots],
+                    rollout.generations[i].prompt_mask[roots],
+                    self.team[i].device,
+                )[:, 0]
+                for i in self.local
+            }
+            return [], torch.stack([self._gathered(columns)[i] for i in range(N)], dim=1)
         observations = [[prompt_text(obs) for obs in state[1]] for state in rollout.states]
         if not args.centralized_critic:
-            inputs = [self.critics[i].encode([obs[i] for obs in observations]) for i in range(N)]
-            values = torch.stack(
-                [self._batched(self.critics[i], *inputs[i], self.critics[i].device)[:, 0] for i in range(N)],
-                dim=1,
-            )
-            return inputs, values
+            inputs: list[Any] = [None] * N
+            columns = {}
+            for i in self.local:
+                inputs[i] = self.critics[i].encode([obs[i] for obs in observations])
+                columns[i] = self._batched(self.critics[i], *inputs[i], self.critics[i].device)[:, 0]
+            return inputs, torch.stack([self._gathered(columns)[i] for i in range(N)], dim=1)
         critic = self.critics[0]
+        if critic is None:  # agent parallelism: the centralized critic is agent 0's process's
+            return [None], self._gathered({})[0]
         if args.critic_type == "v":
             inputs = critic.encode([joint_observation(obs) for obs in observations])
-            return [inputs], self._batched(critic, *inputs, critic.device)
-        texts = []
-        for n, obs in enumerate(observations):
-            for joint in rollout.joint_index[n]:
-                answers = [rollout.generations[i].completions[n * G + int(joint[i])] for i in range(N)]
-                texts.append(joint_observation(obs, answers))
-        inputs = critic.encode(texts)
-        return [inputs], self._batched(critic, *inputs, critic.device).view(nodes, -1, N)
+            values = self._batched(critic, *inputs, critic.device)
+        else:
+            texts = []
+            for n, obs in enumerate(observations):
+                for joint in rollout.joint_index[n]:
+                    answers = [rollout.generations[i].completions[n * G + int(joint[i])] for i in range(N)]
+                    texts.append(joint_observation(obs, answers))
+            inputs = critic.encode(texts)
+            values = self._batched(critic, *inputs, critic.device).view(nodes, -1, N)
+        return [inputs], self._gathered({0: values})[0]
+
+    def _gathered(self, held: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
+        """Values this process computed, keyed by agent (or critic), merged with every other process's."""
+        if self.parallel is None:
+            return held
+        merged: dict[int, torch.Tensor] = {}
+        for part in self.parallel.gather(held):
+            merged.update(part)
+        return merged
 
     def _critic_samples(
         self,
@@ -343,9 +377,9 @@ class ActorCriticTrainer(MAGRPOTrainer):
         return torch.cat(parts)
 
     # ------------------------------------------------------------------ helpers
-    def _mini_batches(self, count: int) -> list[torch.Tensor]:
+    def _mini_batches(self, count: int, generator: torch.Generator) -> list[torch.Tensor]:
         """A seeded shuffle of ``range(count)`` cut into ``num_mini_batches`` parts (all of them when 1)."""
-        order = torch.randperm(count, generator=self.shuffle_generator)
+        order = torch.randperm(count, generator=generator)
         return list(order.tensor_split(self.args.num_mini_batches))
 
     def _step(self, optimizer: torch.optim.Optimizer, params: Any, head: ValueHead | None) -> float:
@@ -374,9 +408,11 @@ class ActorCriticTrainer(MAGRPOTrainer):
         (centralized) or ``critic_i/``; each folder loads back with ``critic_model=`` / as an agent source."""
         super().save_model(output_dir)
         for i, head in enumerate(self.value_heads or []):
-            head.save(Path(output_dir) / f"agent_{i}")
+            if head is not None:
+                head.save(Path(output_dir) / f"agent_{i}")
         for c, critic in enumerate(self.critics):
-            critic.save(Path(output_dir) / ("critic" if self.args.centralized_critic else f"critic_{c}"))
+            if critic is not None:
+                critic.save(Path(output_dir) / ("critic" if self.args.centralized_critic else f"critic_{c}"))
 
 
 class IACTrainer(ActorCriticTrainer):
