@@ -53,6 +53,8 @@ class AgentParallel:
                     f"`torchrun --nproc-per-node={num_agents} ...` (or initialise torch.distributed yourself)"
                 )
             backend = "nccl" if torch.cuda.is_available() else "gloo"
+            if backend == "nccl":  # NCCL's object gathers stage through the current device: one GPU per rank
+                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
             dist.init_process_group(backend=backend)
             # A group left open hangs the interpreter's exit (gloo); the group we opened we also close.
             atexit.register(dist.destroy_process_group)
