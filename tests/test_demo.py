@@ -67,6 +67,22 @@ def test_cli_train_from_yaml_with_overrides(tmp_path, capsys):
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
 
 
+def test_cli_train_resumes_from_the_newest_checkpoint(tmp_path, capsys):
+    spec = tmp_path / "run.yaml"
+    spec.write_text(
+        "trainer: magrpo\ntask: demo\nargs:\n  max_steps: 2\n  progress_bar: false\n  prompts_per_step: 2\n"
+        "  num_generations: 2\n  reward_call: batched\n  save_steps: 1\n  save_total_limit: 1\n"
+    )
+    out = tmp_path / "out"
+    assert main(["train", str(spec), "--set", f"output_dir={out}"]) == 0
+    assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_2"]
+    capsys.readouterr()
+    # Resuming a finished run takes no further step: the log still has steps 1 and 2 once each.
+    assert main(["train", str(spec), "--set", f"output_dir={out}", "--resume"]) == 0
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2]
+
+
 def test_cli_train_function_task(tmp_path, qwen_bpe, capsys):
     (tmp_path / "data.jsonl").write_text('{"prompt": "def add(a, b):"}\n{"prompt": "alice and bob"}\n')
     (tmp_path / "rewards.py").write_text(

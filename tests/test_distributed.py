@@ -90,7 +90,7 @@ def test_two_processes_train_what_one_process_trains(
     expected_eval = single.evaluate()
 
     out = tmp_path / "run"
-    ranks = _launch(trainer, agents, out, overrides)
+    ranks = _launch(trainer, agents, out, {**overrides, "save_steps": 2})  # and a checkpoint at the last step
     assert [r["local"] for r in ranks] == [[0], [1]]
     compared = [k for k in expected if not k.startswith("time/") and k != "completions_per_s"]
     assert any(k.startswith("agent_1/") for k in compared)
@@ -106,6 +106,13 @@ def test_two_processes_train_what_one_process_trains(
             assert torch.allclose(p, q, atol=1e-6), (i, name)
     for path in saved:
         assert (out / "agents" / path).exists(), path
+    checkpoint = out / "checkpoints" / "step_2"
+    assert sorted(p.name for p in checkpoint.iterdir()) == [
+        "process_0.pt",
+        "process_1.pt",
+        "trainer_state.json",
+    ]
+    assert json.loads((checkpoint / "trainer_state.json").read_text())["processes"] == 2
     assert (out / "metrics.jsonl").exists()  # process 0 writes the run folder
 
 

@@ -37,6 +37,11 @@ def main(argv: list[str] | None = None) -> int:
         metavar="KEY=VALUE",
         help="override a run field or a trainer field (args.<field> or <field>); repeatable",
     )
+    train.add_argument(
+        "--resume",
+        action="store_true",
+        help="continue from the newest checkpoint in output_dir/checkpoints (written every args.save_steps)",
+    )
 
     fields = sub.add_parser("fields", help="list a trainer's config fields with their help")
     fields.add_argument("trainer", nargs="?", default="magrpo")
@@ -87,7 +92,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.command == "demo":
             return _demo(args)
         if args.command == "train":
-            return _train(load_run_spec(args.config, args.overrides))
+            return _train(load_run_spec(args.config, args.overrides), resume=args.resume)
         if args.command == "eval":
             return _eval(args)
         if args.command == "bench":
@@ -115,7 +120,7 @@ def _demo(args: argparse.Namespace) -> int:
     return 0
 
 
-def _train(spec: RunSpec) -> int:
+def _train(spec: RunSpec, resume: bool = False) -> int:
     from comarl.trainers import actor_critic, magrpo
 
     trainer_cls = {
@@ -171,7 +176,7 @@ def _train(spec: RunSpec) -> int:
             formatters=lambda item: item[column],
             args=args,
         )
-    metrics = trainer.train()
+    metrics = trainer.train(resume_from_checkpoint=True if resume else None)
     if trainer.eval_dataset is not None:
         metrics.update(trainer.evaluate())
     if trainer.parallel is None or trainer.parallel.rank == 0:

@@ -193,6 +193,12 @@ class MAGRPOConfig:
         "Run folder for config, metrics, plot, samples and agents (None = no files).", default=None
     )
     progress_bar: bool = _help("Show a progress bar with the live reward.", default=True)
+    save_steps: int = _help(
+        "Write a resumable checkpoint (weights, optimizers, schedulers, RNG streams, step) every this many steps "
+        "into output_dir/checkpoints/ (0 = none). Resume with train(resume_from_checkpoint=True).",
+        default=0,
+    )
+    save_total_limit: int = _help("Checkpoints kept in output_dir/checkpoints/ (the newest).", default=2)
 
     # --- devices and precision
     agent_devices: list[str] | str | None = _help(
@@ -274,12 +280,13 @@ class MAGRPOConfig:
             "num_turns",
             "logging_steps",
             "num_generations_eval",
+            "save_total_limit",
         )
         for name in positive:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}={value!r}: must be an integer >= 1")
-        for name in ("warmup_steps", "eval_interval", "min_new_tokens", "log_completions"):
+        for name in ("warmup_steps", "eval_interval", "min_new_tokens", "log_completions", "save_steps"):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name}={value!r}: must be an integer >= 0")
@@ -319,6 +326,10 @@ class MAGRPOConfig:
             raise ConfigError(
                 f"micro_batch_size={self.micro_batch_size}: must divide the completions each agent trains on per "
                 f"step, prompts_per_step x num_generations = {self.prompts_per_step} x {G} = {completions}"
+            )
+        if self.save_steps and self.output_dir is None:
+            raise ConfigError(
+                f"save_steps={self.save_steps}: checkpoints go into output_dir; set output_dir="
             )
         if self.micro_batch_tokens is not None and (
             not isinstance(self.micro_batch_tokens, int) or self.micro_batch_tokens < 1

@@ -403,6 +403,34 @@ class ActorCriticTrainer(MAGRPOTrainer):
         total = self.total_steps * a.num_iterations * a.num_mini_batches
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(a, total))
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        """The agents' state (see MAGRPOTrainer) plus the heads and critics this process holds, the critics'
+        optimizers and the mini-batch shuffle streams."""
+        state = super().checkpoint_state()
+        state["value_heads"] = {
+            i: h.state_dict() for i, h in enumerate(self.value_heads or []) if h is not None
+        }
+        state["critics"] = {
+            c: {"model": critic.state_dict(), "optimizer": self.critic_optimizers[c].state_dict()}
+            for c, critic in enumerate(self.critics)
+            if critic is not None
+        }
+        state["actor_shuffles"] = [g.get_state() for g in self.actor_shuffles]
+        state["critic_shuffles"] = [g.get_state() for g in self.critic_shuffles]
+        return state
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        super().load_checkpoint_state(state)
+        for i, head_state in state["value_heads"].items():
+            self.value_heads[i].load_state_dict(head_state)
+        for c, part in state["critics"].items():
+            self.critics[c].load_state_dict(part["model"])
+            self.critic_optimizers[c].load_state_dict(part["optimizer"])
+        for g, saved in zip(
+            self.actor_shuffles + self.critic_shuffles, state["actor_shuffles"] + state["critic_shuffles"]
+        ):
+            g.set_state(saved)
+
     def save_model(self, output_dir: str | Path) -> None:
         """Agents as ``agent_i/`` (with ``value_head.pt`` when the critic is a head), critics as ``critic/``
         (centralized) or ``critic_i/``; each folder loads back with ``critic_model=`` / as an agent source."""

@@ -166,14 +166,34 @@ class MAGRPOTrainer:
         self.step = 0
 
     # ------------------------------------------------------------------ training
-    def train(self) -> dict[str, float]:
-        """Run ``total_steps`` training steps; log, evaluate, and save the agents into ``output_dir``."""
-        from comarl.tracking import RunLogger
+    def train(self, resume_from_checkpoint: str | Path | bool | None = None) -> dict[str, float]:
+        """Run ``total_steps`` training steps; log, evaluate, checkpoint (``save_steps``), and save the agents into
+        ``output_dir``.
+
+        ``resume_from_checkpoint``: a checkpoint folder, or True for the newest in ``output_dir/checkpoints``;
+        the run then continues from that step exactly as if it had never stopped (same weights, optimizer
+        moments, schedules, random streams and data order).
+        """
+        from comarl.checkpoint import completed_checkpoints, load_checkpoint, save_checkpoint, truncate_log
+        from comarl.tracking import METRICS_FILE, SAMPLES_FILE, RunLogger
 
         args = self.args
         run_dir = Path(args.output_dir) if args.output_dir else None
         # Under agent parallelism every process trains and evaluates; process 0 logs and writes the run folder.
         writer = self.parallel is None or self.parallel.rank == 0
+        if resume_from_checkpoint is True:
+            found = completed_checkpoints(run_dir) if run_dir is not None else []
+            if not found:
+                raise ConfigError(
+                    f"resume_from_checkpoint=True: no finished checkpoint in {run_dir}/checkpoints (output_dir="
+                    f"{args.output_dir!r}); pass a checkpoint folder or start without resuming"
+                )
+            resume_from_checkpoint = found[-1]
+        if resume_from_checkpoint:
+            self.step = load_checkpoint(self, resume_from_checkpoint)
+            if run_dir is not None and writer:  # rows a stopped run wrote after its checkpoint are redone
+                for name in (METRICS_FILE, SAMPLES_FILE):
+                    truncate_log(run_dir / name, self.step)
         if run_dir is not None and writer:
             run_dir.mkdir(parents=True, exist_ok=True)
             self._write_config(run_dir)
@@ -197,6 +217,8 @@ class MAGRPOTrainer:
                     and self.eval_dataset is not None
                 ):
                     logger.log(self.step, self.evaluate())
+                if args.save_steps and self.step % args.save_steps == 0 and run_dir is not None:
+                    save_checkpoint(self, run_dir, args.save_total_limit)
         if run_dir is not None:
             self.save_model(run_dir / "agents")
         return last
@@ -351,6 +373,36 @@ class MAGRPOTrainer:
                 parts.setdefault(key, []).append(values)
         return {f"eval/{k}": float(torch.cat(v).nanmean()) for k, v in parts.items() if torch.cat(v).numel()}
 
+    def checkpoint_state(self) -> dict[str, Any]:
+        """What this process holds, for a checkpoint: its agents' weights, optimizers and schedules, and the
+        joint-action stream (``comarl.checkpoint`` adds the global random streams)."""
+        return {
+            "step": self.step,
+            "agents": {
+                i: {
+                    "model": self.team[i].model.state_dict(),
+                    "optimizer": self.optimizers[i].state_dict(),
+                    "scheduler": self.schedulers[i].state_dict(),
+                }
+                for i in self.local
+            },
+            "joint_generator": self.joint_generator.get_state(),
+        }
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        """Restore what :meth:`checkpoint_state` returned."""
+        if sorted(state["agents"]) != sorted(self.local):
+            raise ConfigError(
+                f"resume_from_checkpoint: the checkpoint holds agents {sorted(state['agents'])}, this process trains "
+                f"{self.local}; resume with the same launch (agent_parallel and process count)"
+            )
+        for i, part in state["agents"].items():
+            self.team[i].model.load_state_dict(part["model"])
+            self.optimizers[i].load_state_dict(part["optimizer"])
+            self.schedulers[i].load_state_dict(part["scheduler"])
+        self.joint_generator.set_state(state["joint_generator"])
+        self.step = state["step"]
+
     def save_model(self, output_dir: str | Path) -> None:
         """Write ``output_dir/agent_{i}/`` per agent, each loadable with ``from_pretrained`` (each process its own)."""
         for i in self.local:
@@ -364,7 +416,8 @@ class MAGRPOTrainer:
 
     # ------------------------------------------------------------------ helpers
     def _batches(self):  # noqa: ANN202
-        """Items of each step: a seeded permutation per epoch, ``prompts_per_step`` at a time (drop last)."""
+        """Items of each step after ``self.step``: a seeded permutation per epoch, ``prompts_per_step`` at a time
+        (drop last). A resumed run skips the steps it has taken."""
         args, size = self.args, len(self.train_dataset)
         per_epoch = args.steps_per_epoch(size)
         produced, epoch = 0, 0
@@ -375,8 +428,9 @@ class MAGRPOTrainer:
             for s in range(per_epoch):
                 if produced == self.total_steps:
                     return
-                ids = order[s * args.prompts_per_step : (s + 1) * args.prompts_per_step].tolist()
-                yield [self.train_dataset[j] for j in ids]
+                if produced >= self.step:
+                    ids = order[s * args.prompts_per_step : (s + 1) * args.prompts_per_step].tolist()
+                    yield [self.train_dataset[j] for j in ids]
                 produced += 1
             epoch += 1
 

@@ -1,0 +1,132 @@
+"""Resumable run state, written so that a stopped run continues exactly as if it had never stopped.
+
+A checkpoint is a folder ``output_dir/checkpoints/step_<N>/``:
+
+- ``process_<r>.pt`` — what process ``r`` holds (all of it in a single-process run): its agents'
+  weights, optimizers and learning-rate schedules, value heads and critics, its random streams
+  (Python, NumPy, torch CPU and CUDA, the joint-action and mini-batch generators);
+- ``trainer_state.json`` — the step, the trainer, the team size and the number of processes. It is
+  written last, through a temporary file and a rename, so a folder without it is an unfinished
+  checkpoint and is never loaded.
+
+The data order needs no state: each epoch's permutation comes from ``seed + epoch``, and a resumed
+run skips the steps already taken. The reference models (``beta > 0``) are rebuilt from the
+agents' sources, as at the start of the run.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import shutil
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from comarl.config import ConfigError
+
+STATE_FILE = "trainer_state.json"
+CHECKPOINTS = "checkpoints"
+
+
+def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
+    return Path(output_dir) / CHECKPOINTS / f"step_{step}"
+
+
+def completed_checkpoints(output_dir: str | Path) -> list[Path]:
+    """Finished checkpoints under ``output_dir/checkpoints``, oldest first."""
+    root = Path(output_dir) / CHECKPOINTS
+    if not root.is_dir():
+        return []
+    done = [p for p in root.iterdir() if p.name.startswith("step_") and (p / STATE_FILE).is_file()]
+    return sorted(done, key=lambda p: int(p.name.removeprefix("step_")))
+
+
+def rng_state() -> dict[str, Any]:
+    state: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    try:
+        import numpy as np
+
+        state["numpy"] = np.random.get_state()
+    except ImportError:  # numpy is optional for comarl itself
+        pass
+    return state
+
+
+def set_rng_state(state: dict[str, Any]) -> None:
+    random.setstate(state["python"])
+    torch.set_rng_state(state["torch"])
+    if "cuda" in state and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(state["cuda"])
+    if "numpy" in state:
+        import numpy as np
+
+        np.random.set_state(state["numpy"])
+
+
+def save_checkpoint(trainer: Any, output_dir: str | Path, keep: int) -> Path:
+    """Write ``trainer``'s state for its current step; keep the newest ``keep`` checkpoints. Returns the folder."""
+    parallel = trainer.parallel
+    rank = 0 if parallel is None else parallel.rank
+    directory = checkpoint_dir(output_dir, trainer.step)
+    directory.mkdir(parents=True, exist_ok=True)
+    target = directory / f"process_{rank}.pt"
+    temporary = target.with_suffix(".tmp")
+    torch.save({"trainer": trainer.checkpoint_state(), "rng": rng_state()}, temporary)
+    os.replace(temporary, target)
+    if parallel is not None:
+        parallel.barrier()  # every process's part is on disk before the checkpoint is marked finished
+    if rank == 0:
+        state = {
+            "step": trainer.step,
+            "trainer": type(trainer).__name__,
+            "num_agents": trainer.num_agents,
+            "processes": 1 if parallel is None else parallel.world_size,
+        }
+        temporary = directory / (STATE_FILE + ".tmp")
+        temporary.write_text(json.dumps(state, indent=1))
+        os.replace(temporary, directory / STATE_FILE)
+        for old in completed_checkpoints(output_dir)[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    if parallel is not None:
+        parallel.barrier()
+    return directory
+
+
+def load_checkpoint(trainer: Any, directory: str | Path) -> int:
+    """Restore ``trainer`` from a checkpoint folder written by :func:`save_checkpoint`; returns its step."""
+    directory = Path(directory)
+    state_path = directory / STATE_FILE
+    if not state_path.is_file():
+        raise ConfigError(
+            f"resume_from_checkpoint={str(directory)!r}: no {STATE_FILE} there (not a finished checkpoint)"
+        )
+    state = json.loads(state_path.read_text())
+    parallel = trainer.parallel
+    processes = 1 if parallel is None else parallel.world_size
+    expected = {"trainer": type(trainer).__name__, "num_agents": trainer.num_agents, "processes": processes}
+    for key, value in expected.items():
+        if state[key] != value:
+            raise ConfigError(
+                f"resume_from_checkpoint={str(directory)!r}: the checkpoint has {key}={state[key]!r}, this run "
+                f"{key}={value!r}; resume with the same trainer, team and launch"
+            )
+    rank = 0 if parallel is None else parallel.rank
+    saved = torch.load(directory / f"process_{rank}.pt", map_location="cpu", weights_only=False)
+    trainer.load_checkpoint_state(saved["trainer"])
+    set_rng_state(saved["rng"])
+    return int(state["step"])
+
+
+def truncate_log(path: Path, step: int) -> None:
+    """Drop the rows of a JSONL log written after ``step`` (by a run that went on after its last checkpoint)."""
+    if not path.is_file():
+        return
+    rows = [line for line in path.read_text().splitlines() if line.strip()]
+    kept = [line for line in rows if json.loads(line).get("step", 0) <= step]
+    if len(kept) != len(rows):
+        path.write_text("".join(line + "\n" for line in kept))

@@ -1,0 +1,107 @@
+"""Checkpoints: a run stopped after its last checkpoint and resumed ends exactly where an unbroken run ends."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+import comarl
+from comarl import ConfigError, MAGRPOConfig, MAGRPOTrainer
+
+DATA = [{"prompt": p} for p in ("def add(a, b):", "the agents meet at", "alice and bob", "return a + b")]
+
+
+class LengthReward:
+    """Shared reward that varies between samples; raises on call ``crash_at`` to stop a run midway."""
+
+    __name__ = "length_reward"
+
+    def __init__(self, crash_at: int | None = None) -> None:
+        self.calls, self.crash_at = 0, crash_at
+
+    def __call__(self, a, b):
+        self.calls += 1
+        if self.calls == self.crash_at:
+            raise RuntimeError("the machine went away")
+        return [len(x) / 10 - len(y) / 20 for x, y in zip(a, b)]
+
+
+def _trainer(name, model, out, reward, **overrides):
+    settings = dict(
+        prompts_per_step=2,
+        num_generations=3,
+        max_new_tokens=5,
+        learning_rate=1e-3,
+        max_steps=5,
+        save_steps=2,
+        progress_bar=False,
+        reward_call="batched",
+        output_dir=str(out),
+        seed=11,
+    )
+    settings.update(overrides)
+    return getattr(comarl, f"{name}Trainer")(
+        model=model,
+        num_agents=2,
+        train_dataset=DATA,
+        reward_func=reward,
+        args=getattr(comarl, f"{name}Config")(**settings),
+    )
+
+
+def _weights(trainer):
+    return [p.detach().clone() for a in trainer.team for p in a.model.parameters()]
+
+
+@pytest.mark.parametrize(
+    ("name", "overrides"),
+    [
+        ("MAGRPO", {"beta": 0.05, "lr_scheduler_type": "cosine", "warmup_steps": 1}),
+        ("IPPO", {"num_iterations": 2, "num_mini_batches": 2}),
+    ],
+)
+def test_resumed_run_equals_the_unbroken_run(qwen_bpe, tmp_path, name, overrides):
+    unbroken = _trainer(name, qwen_bpe, tmp_path / "a", LengthReward(), **overrides)
+    expected = unbroken.train()
+
+    stopped = _trainer(name, qwen_bpe, tmp_path / "b", LengthReward(crash_at=4), **overrides)
+    with pytest.raises(Exception, match="the machine went away"):
+        stopped.train()  # steps 1-3 done, checkpoint at step 2, the run dies in step 4
+    assert [p.name for p in (tmp_path / "b" / "checkpoints").iterdir()] == ["step_2"]
+
+    resumed = _trainer(name, qwen_bpe, tmp_path / "b", LengthReward(), **overrides)
+    metrics = resumed.train(resume_from_checkpoint=True)
+    assert all(torch.equal(x, y) for x, y in zip(_weights(unbroken), _weights(resumed)))
+    for key in ("reward", "agent_0/loss", "agent_1/grad_norm", "agent_1/lr"):
+        assert metrics[key] == expected[key], key
+    if name == "IPPO":
+        for head_a, head_b in zip(unbroken.value_heads, resumed.value_heads):
+            assert torch.equal(head_a.linear.weight, head_b.linear.weight)
+    # The log holds each step once: the row of step 3 written before the crash was redone, not repeated.
+    steps = [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4, 5]
+    # save_total_limit=2 keeps the newest two
+    assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir()) == ["step_2", "step_4"]
+
+
+def test_resume_errors_name_the_problem(qwen_bpe, tmp_path):
+    fresh = _trainer("MAGRPO", qwen_bpe, tmp_path / "none", LengthReward())
+    with pytest.raises(
+        ConfigError, match=r"resume_from_checkpoint=True: no finished checkpoint in .*none/checkpoints"
+    ):
+        fresh.train(resume_from_checkpoint=True)
+    done = _trainer("MAGRPO", qwen_bpe, tmp_path / "run", LengthReward(), max_steps=2)
+    done.train()
+    other = MAGRPOTrainer(
+        model=qwen_bpe,
+        num_agents=1,
+        train_dataset=DATA,
+        reward_func=lambda a: [len(x) for x in a],
+        args=MAGRPOConfig(max_steps=2, prompts_per_step=2, num_generations=2, progress_bar=False),
+    )
+    with pytest.raises(ConfigError, match=r"the checkpoint has num_agents=2, this run num_agents=1"):
+        other.train(resume_from_checkpoint=tmp_path / "run" / "checkpoints" / "step_2")
+    with pytest.raises(ConfigError, match=r"save_steps=2: checkpoints go into output_dir; set output_dir="):
+        MAGRPOConfig(save_steps=2)
