@@ -25,7 +25,12 @@ def main() -> None:
         agents=spec["agents"], train_dataset=DATA, eval_dataset=DATA, reward_func=two_word_reward, args=args
     )
     metrics = trainer.train()
-    result = {"metrics": metrics, "eval": trainer.evaluate(), "local": trainer.local}
+    result = {
+        "metrics": metrics,
+        "eval": trainer.evaluate(),
+        "local": trainer.local,
+        "torch_seed": torch.initial_seed(),
+    }
     with open(os.path.join(spec["output_dir"], f"rank_{trainer.parallel.rank}.json"), "w") as f:
         json.dump(result, f)
 

@@ -92,6 +92,7 @@ def test_two_processes_train_what_one_process_trains(
     out = tmp_path / "run"
     ranks = _launch(trainer, agents, out, {**overrides, "save_steps": 2})  # and a checkpoint at the last step
     assert [r["local"] for r in ranks] == [[0], [1]]
+    assert [r["torch_seed"] for r in ranks] == [5, 6]  # agents never share sampling random numbers
     compared = [k for k in expected if not k.startswith("time/") and k != "completions_per_s"]
     assert any(k.startswith("agent_1/") for k in compared)
     for r in ranks:  # every process reports the team's, every agent's and the critics' metrics

@@ -129,6 +129,11 @@ class MAGRPOTrainer:
         # Agent parallelism: this process loads and trains one agent; the others are RemoteAgents here.
         self.parallel = AgentParallel(n) if args.agent_parallel else None
         self.local = [self.parallel.rank] if self.parallel is not None else list(range(n))
+        if self.parallel is not None and self.parallel.rank > 0:
+            # Each process samples its agent from its own torch stream: equal seeds would hand every agent the
+            # same random numbers, a shared-randomness channel a Dec-POMDP team must not have. (Python's and
+            # NumPy's streams stay equal: environments may draw from them, and every process steps one.)
+            torch.manual_seed(args.seed + self.parallel.rank)
         if self.parallel is not None:
             devices[self.parallel.rank] = self.parallel.device(devices)
         members = list(team.agents) if team is not None else sources
