@@ -316,7 +316,8 @@ class ActorCriticTrainer(MAGRPOTrainer):
                 )[:, 0]
                 for i in self.local
             }
-            return [], torch.stack([self._gathered(columns)[i] for i in range(N)], dim=1)
+            merged = self._gathered(columns)
+            return [], torch.stack([merged[i] for i in range(N)], dim=1)
         observations = [[prompt_text(obs) for obs in state[1]] for state in rollout.states]
         if not args.centralized_critic:
             inputs: list[Any] = [None] * N
@@ -324,7 +325,8 @@ class ActorCriticTrainer(MAGRPOTrainer):
             for i in self.local:
                 inputs[i] = self.critics[i].encode([obs[i] for obs in observations])
                 columns[i] = self._batched(self.critics[i], *inputs[i], self.critics[i].device)[:, 0]
-            return inputs, torch.stack([self._gathered(columns)[i] for i in range(N)], dim=1)
+            merged = self._gathered(columns)
+            return inputs, torch.stack([merged[i] for i in range(N)], dim=1)
         critic = self.critics[0]
         if critic is None:  # agent parallelism: the centralized critic is agent 0's process's
             return [None], self._gathered({})[0]
