@@ -7,7 +7,7 @@ rewards and advantages; each process then updates its own agent, and the per-age
 gathered once per step. Agents therefore generate and update concurrently (separate GPUs, or
 separate CPU cores), and no process loads another agent's weights.
 
-Launch (CPU: gloo; GPUs: NCCL, one GPU per rank)::
+Launch (NCCL when every process has its own GPU, else gloo)::
 
     torchrun --nproc-per-node=2 -m comarl train config.yaml --set args.agent_parallel=true
 
@@ -52,7 +52,7 @@ class AgentParallel:
                     "agent_parallel=True needs one process per agent: launch with "
                     f"`torchrun --nproc-per-node={num_agents} ...` (or initialise torch.distributed yourself)"
                 )
-            backend = "nccl" if torch.cuda.is_available() else "gloo"
+            backend = _backend(int(os.environ["WORLD_SIZE"]))
             if backend == "nccl":  # NCCL's object gathers stage through the current device: one GPU per rank
                 torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
             dist.init_process_group(backend=backend)
@@ -106,6 +106,12 @@ class AgentParallel:
 
     def barrier(self) -> None:
         self._dist.barrier()
+
+
+def _backend(world_size: int) -> str:
+    """NCCL when every process has a GPU of its own; else gloo (CPU, or processes sharing a GPU — only
+    token ids and texts cross processes, through the CPU either way)."""
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
 
 
 def _to_cpu(generation: Any) -> Any:
