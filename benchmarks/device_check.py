@@ -1,0 +1,167 @@
+"""One short, prepared check of the accelerator paths, for a session that is lent a GPU.
+
+    python benchmarks/device_check.py                 # on CUDA (what it is for)
+    python benchmarks/device_check.py --device cpu    # the same checks on the CPU (to test this script)
+
+Each check prints one line ``CHECK <name> ok|FAIL <detail>``; the exit status is 1 when any check
+fails. Everything is built offline (tiny models from ``comarl.tiny`` and the demo team), so the
+device machine needs no network. The checks:
+
+1. ``decode``: the engine's greedy decode equals ``model.generate`` on the device;
+2. ``bf16_step``: one MAGRPO step with ``bf16=True`` (autocast) changes every parameter, weights stay fp32;
+3. ``demo``: the demo game for 150 steps on the device; greedy joint success ≥ 0.9;
+4. ``agent_parallel``: two processes (torchrun, one agent each, sharing the device when there is one
+   GPU) train what one process trains on a heterogeneous team.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def check_decode(device: str, base: Path) -> str:
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from comarl.agents import Agent
+    from comarl.engines import HFEngine, SamplingParams
+    from comarl.tiny import tiny_model
+
+    path = tiny_model(base / "qwen", kind="bpe", arch="qwen2", seed=0)
+    agent = Agent.from_pretrained(path, device=device)
+    prompts = ["def add(a, b):", "the agents meet at the"]
+    ours = HFEngine().generate(agent, prompts, 1, SamplingParams(max_new_tokens=12, do_sample=False))
+    ids, mask = agent.encode(prompts)
+    model = AutoModelForCausalLM.from_pretrained(path).to(device)
+    config = GenerationConfig(max_new_tokens=12, do_sample=False, pad_token_id=agent.tokenizer.pad_token_id)
+    theirs = model.generate(input_ids=ids, attention_mask=mask, generation_config=config)[:, ids.shape[1] :]
+    width = min(theirs.shape[1], ours.completion_ids.shape[1])
+    same = torch.equal(ours.completion_ids[:, :width].cpu(), theirs[:, :width].cpu())
+    if not same:
+        raise AssertionError(f"greedy ids differ: {ours.completion_ids.tolist()} vs {theirs.tolist()}")
+    return f"{width} tokens equal"
+
+
+def check_bf16_step(device: str, base: Path) -> str:
+    from comarl import MAGRPOConfig, MAGRPOTrainer
+    from comarl.tiny import tiny_model
+
+    path = tiny_model(base / "qwen_bf16", kind="bpe", arch="qwen2", seed=0)
+    data = [{"prompt": p} for p in ("def add(a, b):", "alice and bob", "the agents meet at", "return a + b")]
+    trainer = MAGRPOTrainer(
+        model=str(path),
+        num_agents=2,
+        train_dataset=data,
+        reward_func=lambda a, b: [len(x) / 10 - len(y) / 20 for x, y in zip(a, b)],
+        args=MAGRPOConfig(
+            max_steps=1,
+            prompts_per_step=2,
+            num_generations=3,
+            max_new_tokens=6,
+            learning_rate=1e-3,
+            bf16=True,
+            agent_devices=device,
+            progress_bar=False,
+            reward_call="batched",
+        ),
+    )
+    before = [[p.detach().clone() for p in a.model.parameters()] for a in trainer.team]
+    trainer.train()
+    for i, agent in enumerate(trainer.team):
+        params = list(agent.model.parameters())
+        if any(p.dtype != torch.float32 for p in params):
+            raise AssertionError(f"agent {i}: weights are not fp32 after a bf16 step")
+        unchanged = sum(torch.equal(p, q) for p, q in zip(params, before[i]))
+        if unchanged:
+            raise AssertionError(f"agent {i}: {unchanged} parameter tensors did not change")
+    return f"agents on {trainer.team[0].device}, every parameter moved, weights fp32"
+
+
+def check_demo(device: str, base: Path) -> str:
+    from comarl import MAGRPOTrainer
+    from comarl.tasks import demo
+
+    paths = demo.build_team(base / "demo")
+    args = demo.demo_config(None, max_steps=150, progress_bar=False)
+    args.agent_devices = device
+    trainer = MAGRPOTrainer(
+        agents=[str(p) for p in paths],
+        train_dataset=demo.dataset(),
+        eval_dataset=demo.dataset(),
+        reward_func=demo.meeting_reward,
+        formatters=[demo.formatter(0), demo.formatter(1)],
+        args=args,
+    )
+    started = time.perf_counter()
+    trainer.train()
+    success = trainer.evaluate()["eval/success"]
+    if success < 0.9:
+        raise AssertionError(f"greedy success {success:.3f} < 0.9 after 150 steps")
+    return f"greedy success {success:.3f}, {time.perf_counter() - started:.0f} s"
+
+
+def check_agent_parallel(device: str, base: Path) -> str:
+    # The torchrun test of the suite, pointed at the device: two processes equal one process.
+    command = [
+        sys.executable,
+        "-m",
+        "pytest",
+        "-q",
+        "-x",
+        str(ROOT / "tests" / "test_distributed.py"),
+        "-k",
+        "MAREINFORCE",
+        "-p",
+        "no:cacheprovider",
+    ]
+    done = subprocess.run(command, capture_output=True, text=True, cwd=ROOT, timeout=600)
+    if done.returncode != 0:
+        raise AssertionError(done.stdout[-2000:] + done.stderr[-2000:])
+    return done.stdout.strip().splitlines()[-1]
+
+
+CHECKS = {
+    "decode": check_decode,
+    "bf16_step": check_bf16_step,
+    "demo": check_demo,
+    "agent_parallel": check_agent_parallel,
+}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    parser.add_argument("--device", default="cuda", help="cuda (default) or cpu")
+    parser.add_argument("--only", nargs="*", choices=sorted(CHECKS), help="run only these checks")
+    args = parser.parse_args()
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("CHECK device FAIL torch.cuda.is_available() is False")
+        return 1
+    failed = 0
+    results = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for name in args.only or CHECKS:
+            try:
+                detail = CHECKS[name](args.device, Path(tmp))
+                print(f"CHECK {name} ok {detail}", flush=True)
+                results[name] = {"ok": True, "detail": detail}
+            except Exception as error:  # noqa: BLE001 - report every check, then fail at the end
+                failed += 1
+                print(f"CHECK {name} FAIL {type(error).__name__}: {error}", flush=True)
+                results[name] = {"ok": False, "detail": f"{type(error).__name__}: {error}"}
+    print("SUMMARY " + json.dumps({"device": args.device, "torch": torch.__version__, "checks": results}))
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
