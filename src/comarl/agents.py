@@ -276,3 +276,38 @@ class Team:
 
     def __iter__(self):  # noqa: ANN204
         return iter(self.agents)
+
+
+def add_lora(model: Any, r: int, alpha: float, target_modules: list[str] | str) -> Any:
+    """``model`` with fresh LoRA adapters (peft); only the adapters train. Adapter dropout is 0, as every
+    dropout in RL (the policy that samples must be the policy that is scored)."""
+    try:
+        from peft import LoraConfig, get_peft_model
+    except ImportError as error:
+        raise ImportError(f"lora_r={r} needs peft: pip install 'comarl[peft]'") from error
+    config = LoraConfig(
+        r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=target_modules, task_type="CAUSAL_LM"
+    )
+    return get_peft_model(model, config)
+
+
+def has_adapters(model: Any) -> bool:
+    """Whether ``model`` is a peft model (its adapters can be switched off)."""
+    return hasattr(model, "disable_adapter") and hasattr(model, "get_base_model")
+
+
+class WithoutAdapters:
+    """A LoRA agent's base model, for the KL reference: calls the agent's model with its adapters off.
+
+    The reference of a LoRA agent needs no copy of the weights: the base is frozen and shared.
+    """
+
+    def __init__(self, model: Any) -> None:
+        self.model = model
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.model.disable_adapter():
+            return self.model(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.model, name)

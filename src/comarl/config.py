@@ -213,6 +213,18 @@ class MAGRPOConfig:
     bf16: bool = _help(
         "bf16 autocast for forward passes on GPU; weights and AdamW states stay fp32.", default=False
     )
+    lora_r: int | None = _help(
+        "LoRA rank: train low-rank adapters (peft) on every agent instead of all its weights; the KL reference is "
+        "then the agent with its adapters switched off (no copy). None = full fine-tuning. See docs/lora.md.",
+        default=None,
+    )
+    lora_alpha: float = _help(
+        "LoRA scaling numerator (the update is scaled by lora_alpha / lora_r).", default=32.0
+    )
+    lora_target_modules: list[str] | str = _help(
+        "Modules that get adapters: 'all-linear' (every linear layer but the LM head) or a list of names.",
+        default="all-linear",
+    )
     gradient_checkpointing: bool = _help(
         "Recompute activations in the backward pass to save memory.", default=False
     )
@@ -330,6 +342,12 @@ class MAGRPOConfig:
         if self.save_steps and self.output_dir is None:
             raise ConfigError(
                 f"save_steps={self.save_steps}: checkpoints go into output_dir; set output_dir="
+            )
+        if self.lora_r is not None and (
+            not isinstance(self.lora_r, int) or isinstance(self.lora_r, bool) or self.lora_r < 1
+        ):
+            raise ConfigError(
+                f"lora_r={self.lora_r!r}: must be an integer >= 1 (or None for full fine-tuning)"
             )
         if self.micro_batch_tokens is not None and (
             not isinstance(self.micro_batch_tokens, int) or self.micro_batch_tokens < 1

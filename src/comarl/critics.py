@@ -68,7 +68,12 @@ def hidden_size(model: Any) -> int:
 
 
 def backbone(model: Any) -> Any:
-    """The transformer without its LM head (``model.base_model`` of a ``*ForCausalLM``; a bare ``AutoModel`` itself)."""
+    """The transformer without its LM head (``model.base_model`` of a ``*ForCausalLM``; a bare ``AutoModel`` itself).
+
+    A peft model is unwrapped first; its adapters live inside the transformer's layers, so they still apply.
+    """
+    if hasattr(model, "get_base_model"):
+        model = model.get_base_model()
     return getattr(model, "base_model", model)
 
 

@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from comarl.agents import Agent, Team
+from comarl.agents import Agent, Team, WithoutAdapters, add_lora, has_adapters
 from comarl.algorithms import aggregate_loss, clipped_surrogate, group_advantages, kl_k3
 from comarl.config import ConfigError, MAGRPOConfig, MAREINFORCEConfig, MAReMaxConfig, MARLOOConfig
 from comarl.distributed import AgentParallel, RemoteAgent, save_own_model
@@ -148,9 +148,12 @@ class MAGRPOTrainer:
             ]
         )
         for i in self.local:
+            agent = self.team[i]
+            if args.lora_r is not None and not has_adapters(agent.model):
+                agent.model = add_lora(agent.model, args.lora_r, args.lora_alpha, args.lora_target_modules)
             if args.gradient_checkpointing:
-                self.team[i].model.gradient_checkpointing_enable()
-            self.team[i].model.train()
+                agent.model.gradient_checkpointing_enable()
+            agent.model.train()
         self.engine = HFEngine()
         distinct = {str(self.team[i].device) for i in self.local}
         # Agents on separate accelerators generate concurrently; on one device they take turns.
@@ -163,7 +166,7 @@ class MAGRPOTrainer:
         self.total_steps = args.total_steps(len(train_dataset))
         self.schedulers = [self._schedule(opt) if opt is not None else None for opt in self.optimizers]
         self.references = (
-            [_frozen_copy(a.model) if i in self.local else None for i, a in enumerate(self.team)]
+            [_reference(a.model) if i in self.local else None for i, a in enumerate(self.team)]
             if args.beta > 0
             else None
         )
@@ -725,7 +728,10 @@ def _agent_devices(spec: Any, n: int) -> list[str]:
     return spec
 
 
-def _frozen_copy(model: Any) -> Any:
+def _reference(model: Any) -> Any:
+    """The KL reference: the agent with its adapters off (LoRA), else a frozen copy of its starting weights."""
+    if has_adapters(model):
+        return WithoutAdapters(model)
     ref = copy.deepcopy(model)
     ref.eval()
     for p in ref.parameters():
