@@ -93,14 +93,7 @@ def check_demo(device: str, base: Path) -> str:
     paths = demo.build_team(base / "demo")
     args = demo.demo_config(None, max_steps=150, progress_bar=False)
     args.agent_devices = device
-    trainer = MAGRPOTrainer(
-        agents=[str(p) for p in paths],
-        train_dataset=demo.dataset(),
-        eval_dataset=demo.dataset(),
-        reward_func=demo.meeting_reward,
-        formatters=[demo.formatter(0), demo.formatter(1)],
-        args=args,
-    )
+    trainer = demo.demo_trainer(MAGRPOTrainer, paths, args)
     started = time.perf_counter()
     trainer.train()
     success = trainer.evaluate()["eval/success"]

@@ -167,14 +167,7 @@ def _trainer(cls, config_cls, paths, **overrides):
         seed=0,
     )
     settings.update(overrides)
-    return cls(
-        agents=paths,
-        train_dataset=demo.dataset(),
-        eval_dataset=demo.dataset(),
-        reward_func=demo.meeting_reward,
-        formatters=[demo.formatter(0), demo.formatter(1)],
-        args=config_cls(**settings),
-    )
+    return demo.demo_trainer(cls, paths, config_cls(**settings))
 
 
 def _count_steps(optimizer):

@@ -140,15 +140,7 @@ def _train(spec: RunSpec, resume: bool = False) -> int:
         base = Path(args.output_dir or "runs/demo") / "base_models"
         if args.agent_parallel:  # every process builds the (identical) tiny team; each into its own folder
             base = base / f"rank_{os.environ.get('RANK', '0')}"
-        paths = demo.build_team(base, seed=args.seed)
-        trainer = trainer_cls(
-            agents=[str(p) for p in paths],
-            train_dataset=demo.dataset(),
-            eval_dataset=demo.dataset(),
-            reward_func=demo.meeting_reward,
-            formatters=[demo.formatter(0), demo.formatter(1)],
-            args=args,
-        )
+        trainer = demo.demo_trainer(trainer_cls, demo.build_team(base, seed=args.seed), args)
     elif spec.task in ("code", "writing"):
         from comarl.evaluation import task_protocol
 

@@ -115,6 +115,18 @@ def demo_config(
     )
 
 
+def demo_trainer(trainer_cls: Any, paths: Sequence[str | Path], args: Any) -> Any:
+    """``trainer_cls`` on the game: the team at ``paths``, every item for training and evaluation."""
+    return trainer_cls(
+        agents=[str(p) for p in paths],
+        train_dataset=dataset(),
+        eval_dataset=dataset(),
+        reward_func=meeting_reward,
+        formatters=[formatter(0), formatter(1)],
+        args=args,
+    )
+
+
 def run_demo(
     out: str | Path | None = None, max_steps: int = DEMO_STEPS, seed: int = 0, progress_bar: bool = True
 ) -> dict[str, Any]:
@@ -131,14 +143,7 @@ def run_demo(
     run_dir = Path(out) if out is not None else Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
     paths = build_team(run_dir / "base_models", seed=seed)
-    trainer = MAGRPOTrainer(
-        agents=[str(p) for p in paths],
-        train_dataset=dataset(),
-        eval_dataset=dataset(),
-        reward_func=meeting_reward,
-        formatters=[formatter(0), formatter(1)],
-        args=demo_config(run_dir, max_steps, seed, progress_bar),
-    )
+    trainer = demo_trainer(MAGRPOTrainer, paths, demo_config(run_dir, max_steps, seed, progress_bar))
     before = trainer.evaluate(do_sample=True, num_generations=8)  # the untrained team's chance level
     trainer.train()
     after = trainer.evaluate()  # greedy: the conventions the team actually uses
