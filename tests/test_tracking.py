@@ -102,3 +102,91 @@ def test_import_is_cheap():
         "assert not any(m.split('.')[0] in ('rich', 'matplotlib', 'torch') for m in new), sorted(new)"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# ---------------------------------------------------------------------------- metric sinks (report_to)
+
+SINK_DATA = [{"prompt": p} for p in ("def add(a, b):", "the agents meet at", "alice and bob", "return a + b")]
+
+
+def _sink_trainer(model, **kw):
+    from comarl import MAGRPOConfig, MAGRPOTrainer
+
+    settings = dict(
+        prompts_per_step=2,
+        num_generations=2,
+        max_new_tokens=4,
+        max_steps=2,
+        progress_bar=False,
+        reward_call="batched",
+    )
+    wandb_config = kw.pop("wandb_config", None)
+    settings.update(kw)
+    return MAGRPOTrainer(
+        model=model,
+        num_agents=2,
+        train_dataset=SINK_DATA,
+        reward_func=lambda a, b: [len(x) - len(y) / 2 for x, y in zip(a, b)],
+        args=MAGRPOConfig(**settings),
+        wandb_config=wandb_config,
+    )
+
+
+def test_tensorboard_sink_gets_the_logged_metrics(qwen_bpe, tmp_path):
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    _sink_trainer(qwen_bpe, output_dir=str(tmp_path), report_to=["tensorboard"]).train()
+    logged = read_metrics(tmp_path / "metrics.jsonl")
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    for key in ("reward", "agent_1/loss"):
+        points = events.Scalars(key)
+        assert [p.step for p in points] == [1, 2]
+        assert [p.value for p in points] == pytest.approx([row[key] for row in logged])
+
+
+def test_comlrl_wandb_config_logs_to_wandb(qwen_bpe, tmp_path, monkeypatch):
+    """CoMLRL's wandb_config= turns the W&B sink on: wandb.init gets its project, name and dir, every logged step
+    goes to run.log with its step, and the run is finished (a stand-in wandb module records the calls)."""
+    import types
+
+    calls = []
+
+    class Run:
+        def log(self, metrics, step):
+            calls.append(("log", step, metrics))
+
+        def finish(self):
+            calls.append(("finish",))
+
+    fake = types.ModuleType("wandb")
+    fake.init = lambda **kwargs: calls.append(("init", kwargs)) or Run()
+    monkeypatch.setitem(sys.modules, "wandb", fake)
+    trainer = _sink_trainer(qwen_bpe, wandb_config={"project": "team", "name": "first", "dir": str(tmp_path)})
+    assert trainer.args.report_to == ["wandb"]
+    last = trainer.train()
+    init = calls[0][1]
+    assert (init["project"], init["name"], init["dir"]) == ("team", "first", str(tmp_path))
+    assert init["config"]["num_generations"] == 2
+    assert [c[1] for c in calls if c[0] == "log"] == [1, 2]
+    assert calls[2][2]["reward"] == pytest.approx(last["reward"])
+    assert calls[-1] == ("finish",)
+
+
+def test_wandb_sink_runs_offline(qwen_bpe, tmp_path, monkeypatch):
+    """The real wandb package, offline: the run starts, logs and finishes into output_dir/wandb."""
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    _sink_trainer(qwen_bpe, output_dir=str(tmp_path), report_to=["wandb"], run_name="offline-check").train()
+    runs = list((tmp_path / "wandb").glob("offline-run-*"))
+    assert len(runs) == 1 and list(runs[0].glob("run-*.wandb"))[0].stat().st_size > 0
+
+
+def test_report_to_is_checked():
+    from comarl import ConfigError, MAGRPOConfig
+
+    with pytest.raises(ConfigError, match=r"report_to=\['mlflow'\]: unknown \['mlflow'\]"):
+        MAGRPOConfig(report_to=["mlflow"])
+    with pytest.raises(ConfigError, match=r"report_to=\['tensorboard'\] writes into output_dir/tensorboard"):
+        MAGRPOConfig(report_to="tensorboard")
+    assert MAGRPOConfig(report_to="none").report_to == []

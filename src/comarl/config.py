@@ -193,6 +193,14 @@ class MAGRPOConfig:
         "Run folder for config, metrics, plot, samples and agents (None = no files).", default=None
     )
     progress_bar: bool = _help("Show a progress bar with the live reward.", default=True)
+    report_to: list[str] = _help(
+        "Metric sinks besides metrics.jsonl: 'tensorboard' (output_dir/tensorboard) and/or 'wandb'.",
+        default_factory=list,
+    )
+    run_name: str | None = _help(
+        "Run name for the sinks (W&B run name); None = the sink's default.", default=None
+    )
+    wandb_project: str = _help("W&B project when report_to has 'wandb'.", default="comarl")
     save_steps: int = _help(
         "Write a resumable checkpoint (weights, optimizers, schedulers, RNG streams, step) every this many steps "
         "into output_dir/checkpoints/ (0 = none). Resume with train(resume_from_checkpoint=True).",
@@ -339,6 +347,15 @@ class MAGRPOConfig:
                 f"micro_batch_size={self.micro_batch_size}: must divide the completions each agent trains on per "
                 f"step, prompts_per_step x num_generations = {self.prompts_per_step} x {G} = {completions}"
             )
+        if isinstance(self.report_to, str):  # report_to="wandb" / "none", as in transformers
+            self.report_to = [] if self.report_to == "none" else [self.report_to]
+        unknown = [sink for sink in self.report_to if sink not in ("tensorboard", "wandb")]
+        if unknown:
+            raise ConfigError(
+                f"report_to={self.report_to!r}: unknown {unknown}; choose from ['tensorboard', 'wandb']"
+            )
+        if "tensorboard" in self.report_to and self.output_dir is None:
+            raise ConfigError("report_to=['tensorboard'] writes into output_dir/tensorboard; set output_dir=")
         if self.save_steps and self.output_dir is None:
             raise ConfigError(
                 f"save_steps={self.save_steps}: checkpoints go into output_dir; set output_dir="

@@ -1,8 +1,9 @@
-"""Run-folder outputs (metrics, samples, plot) and a console progress bar.
+"""Run-folder outputs (metrics, samples, plot), a console progress bar, and optional metric sinks.
 
 A run folder gets ``metrics.jsonl`` (one JSON object per logged step), ``samples.jsonl``
-(example rollouts) and, when the run closes, ``plot.png``. ``rich`` and ``matplotlib`` are
-imported only when needed, so importing this module stays cheap.
+(example rollouts) and, when the run closes, ``plot.png``. The sinks ``TensorBoardSink`` and
+``WandbSink`` (config ``report_to``) receive the same numeric metrics. ``rich``, ``matplotlib``,
+``tensorboard`` and ``wandb`` are imported only when needed, so importing this module stays cheap.
 """
 
 from __future__ import annotations
@@ -39,6 +40,43 @@ def _json_default(value: Any) -> Any:
     return plain
 
 
+class TensorBoardSink:
+    """Scalars to TensorBoard event files in ``log_dir`` (``torch.utils.tensorboard``; needs ``tensorboard``)."""
+
+    def __init__(self, log_dir: str | Path) -> None:
+        try:
+            from torch.utils.tensorboard import SummaryWriter
+        except ImportError as error:
+            raise ImportError(
+                "report_to=['tensorboard'] needs tensorboard: pip install 'comarl[tensorboard]'"
+            ) from error
+        self.writer = SummaryWriter(log_dir=str(log_dir))
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        for key, value in metrics.items():
+            self.writer.add_scalar(key, value, global_step=step)
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+class WandbSink:
+    """Metrics to a Weights & Biases run; ``init`` holds ``wandb.init`` arguments (project, name, entity, dir, ...)."""
+
+    def __init__(self, init: dict[str, Any]) -> None:
+        try:
+            import wandb
+        except ImportError as error:
+            raise ImportError("report_to=['wandb'] needs wandb: pip install 'comarl[wandb]'") from error
+        self.run = wandb.init(**init)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.run.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.run.finish()
+
+
 class RunLogger:
     """Write metrics and samples to a run folder and show training progress on the console.
 
@@ -54,8 +92,10 @@ class RunLogger:
         total_steps: int,
         console: bool = True,
         description: str = "training",
+        sinks: Sequence[Any] = (),
     ) -> None:
         self.run_dir = Path(run_dir) if run_dir is not None else None
+        self.sinks = list(sinks)  # objects with log(step, metrics) and close(), e.g. TensorBoardSink
         if self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.total_steps = total_steps
@@ -98,6 +138,9 @@ class RunLogger:
         """Append ``{"step": step, **metrics}`` to ``metrics.jsonl`` and advance the progress bar."""
         row = {"step": step, **{key: _to_plain(value) for key, value in metrics.items()}}
         self._write(METRICS_FILE, row)
+        numbers = {k: float(v) for k, v in row.items() if k != "step" and isinstance(v, int | float)}
+        for sink in self.sinks:
+            sink.log(step, numbers)
         for key in LIVE_KEYS:
             if isinstance(row.get(key), int | float):
                 self._live[key] = float(row[key])
@@ -125,6 +168,8 @@ class RunLogger:
         self._closed = True
         if self._progress is not None:
             self._progress.stop()
+        for sink in self.sinks:
+            sink.close()
         metrics_path = self.metrics_path
         if metrics_path is not None and metrics_path.exists():
             # ValueError: none of the plotted keys was logged, so there is nothing to draw.

@@ -17,7 +17,6 @@ import copy
 import math
 import random
 import time
-import warnings
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import nullcontext
@@ -73,8 +72,10 @@ class MAGRPOTrainer:
                 f"{type(self).__name__} needs args={self.config_class.__name__}(...), got {type(args).__name__}"
             )
         self.args = args
-        if wandb_config is not None:
-            warnings.warn("wandb_config is ignored: metrics go to output_dir/metrics.jsonl", stacklevel=2)
+        # CoMLRL's wandb_config (project, entity, name, dir, tags, ...) turns on the W&B sink with those settings.
+        self.wandb_config = dict(wandb_config) if wandb_config is not None else None
+        if self.wandb_config is not None and "wandb" not in args.report_to:
+            args.report_to = [*args.report_to, "wandb"]
 
         # Everything that can be checked without loading a model is checked first.
         sources = _team_sources(model, agent_model, agents, team, num_agents)
@@ -211,6 +212,7 @@ class MAGRPOTrainer:
             total_steps=self.total_steps,
             console=args.progress_bar and writer,
             description=type(self).__name__.removesuffix("Trainer"),
+            sinks=self._sinks(run_dir) if writer else (),
         ) as logger:
             for items in self._batches():
                 self.step += 1
@@ -534,6 +536,26 @@ class MAGRPOTrainer:
                 }
             )
         return samples
+
+    def _sinks(self, run_dir: Path | None) -> list[Any]:
+        """The metric sinks of ``report_to``: TensorBoard in ``run_dir/tensorboard``, a W&B run."""
+        from comarl.tracking import TensorBoardSink, WandbSink
+
+        args, sinks = self.args, []
+        if "tensorboard" in args.report_to:
+            sinks.append(TensorBoardSink(Path(run_dir) / "tensorboard"))
+        if "wandb" in args.report_to:
+            given = self.wandb_config or {}
+            init = {
+                "project": given.get("project") or args.wandb_project,
+                "name": given.get("name") or given.get("run_name") or args.run_name,
+                "config": args.to_dict(),
+                **{k: given[k] for k in ("entity", "dir", "tags", "id", "resume") if k in given},
+            }
+            if "dir" not in init and run_dir is not None:
+                init["dir"] = str(run_dir)
+            sinks.append(WandbSink(init))
+        return sinks
 
     def _write_config(self, run_dir: Path) -> None:
         import yaml
