@@ -72,6 +72,11 @@ def _launch(trainer: str, agents: list[str], out: Path, overrides: dict) -> list
         ("MAREINFORCE", {}, []),
         ("IPPO", {"num_iterations": 2}, ["agent_0/value_head.pt", "agent_1/value_head.pt"]),
         ("MAPPO", {"num_iterations": 2}, ["critic/value_head.pt"]),
+        (
+            "MAREINFORCE",
+            {"lora_r": 4, "beta": 0.05},
+            ["agent_0/adapter_config.json", "agent_1/adapter_config.json"],
+        ),
     ],
 )
 def test_two_processes_train_what_one_process_trains(
@@ -100,11 +105,14 @@ def test_two_processes_train_what_one_process_trains(
         for key in compared:
             assert r["metrics"][key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
         assert r["eval"]["eval/reward"] == pytest.approx(expected_eval["eval/reward"], rel=1e-5)
-    # Each process saved what it holds; the weights equal the single process's.
+    # Each process saved what it holds; the saved agents (weights, or base + adapter) compute the single
+    # process's logits.
     for i, agent in enumerate(single.team):
         loaded = AutoModelForCausalLM.from_pretrained(out / "agents" / f"agent_{i}")
-        for (name, p), q in zip(agent.model.named_parameters(), loaded.parameters()):
-            assert torch.allclose(p, q, atol=1e-6), (i, name)
+        ids = agent.tokenizer(["alice and bob", "def add(a, b):"], return_tensors="pt", padding=True)
+        with torch.no_grad():
+            expected_logits = agent.model(**ids).logits
+            assert torch.allclose(loaded(**ids).logits, expected_logits, atol=1e-5), i
     for path in saved:
         assert (out / "agents" / path).exists(), path
     checkpoint = out / "checkpoints" / "step_2"

@@ -151,7 +151,10 @@ class MAGRPOTrainer:
         for i in self.local:
             agent = self.team[i]
             if args.lora_r is not None and not has_adapters(agent.model):
-                agent.model = add_lora(agent.model, args.lora_r, args.lora_alpha, args.lora_target_modules)
+                # Adapters start from the agent's own seed: the same whichever process builds them.
+                with torch.random.fork_rng():
+                    torch.manual_seed(args.seed + 100 + i)
+                    agent.model = add_lora(agent.model, args.lora_r, args.lora_alpha, args.lora_target_modules)
             if args.gradient_checkpointing:
                 agent.model.gradient_checkpointing_enable()
             agent.model.train()
