@@ -128,7 +128,7 @@ def _to_cpu(generation: Any) -> Any:
 
 
 def save_own_model(model: Any, path: Any) -> None:
-    """``model.save_pretrained(path)`` from any rank.
+    """``model.save_pretrained(path)`` from any rank (in a single process: exactly ``save_pretrained``).
 
     Once torch.distributed is initialised, transformers writes weights only on rank 0
     (``should_save_on_this_rank``: it assumes every rank holds a shard of one model); here every rank

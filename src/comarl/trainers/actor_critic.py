@@ -159,11 +159,8 @@ class ActorCriticTrainer(MAGRPOTrainer):
             prefix = "critic" if args.centralized_critic else f"critic_{c}"
             stats = self.update_critic(c, samples, sample_targets, sample_old)
             metrics.update({f"{prefix}/{k}": v for k, v in stats.items()})
-        if self.parallel is not None:  # every process reports every agent's and critic's metrics
-            for part in self.parallel.gather(
-                {k: v for k, v in metrics.items() if k.startswith(("agent_", "critic"))}
-            ):
-                metrics.update(part)
+        # every process reports every agent's and critic's metrics
+        metrics.update(self._merged({k: v for k, v in metrics.items() if k.startswith(("agent_", "critic"))}))
         t2 = time.perf_counter()
         completions = sum(len(g.completions) for g in rollout.generations)
         metrics.update(
@@ -316,7 +313,7 @@ class ActorCriticTrainer(MAGRPOTrainer):
                 )[:, 0]
                 for i in self.local
             }
-            merged = self._gathered(columns)
+            merged = self._merged(columns)
             return [], torch.stack([merged[i] for i in range(N)], dim=1)
         observations = [[prompt_text(obs) for obs in state[1]] for state in rollout.states]
         if not args.centralized_critic:
@@ -325,11 +322,11 @@ class ActorCriticTrainer(MAGRPOTrainer):
             for i in self.local:
                 inputs[i] = self.critics[i].encode([obs[i] for obs in observations])
                 columns[i] = self._batched(self.critics[i], *inputs[i], self.critics[i].device)[:, 0]
-            merged = self._gathered(columns)
+            merged = self._merged(columns)
             return inputs, torch.stack([merged[i] for i in range(N)], dim=1)
         critic = self.critics[0]
         if critic is None:  # agent parallelism: the centralized critic is agent 0's process's
-            return [None], self._gathered({})[0]
+            return [None], self._merged({})[0]
         if args.critic_type == "v":
             inputs = critic.encode([joint_observation(obs) for obs in observations])
             values = self._batched(critic, *inputs, critic.device)
@@ -341,16 +338,7 @@ class ActorCriticTrainer(MAGRPOTrainer):
                     texts.append(joint_observation(obs, answers))
             inputs = critic.encode(texts)
             values = self._batched(critic, *inputs, critic.device).view(nodes, -1, N)
-        return [inputs], self._gathered({0: values})[0]
-
-    def _gathered(self, held: dict[int, torch.Tensor]) -> dict[int, torch.Tensor]:
-        """Values this process computed, keyed by agent (or critic), merged with every other process's."""
-        if self.parallel is None:
-            return held
-        merged: dict[int, torch.Tensor] = {}
-        for part in self.parallel.gather(held):
-            merged.update(part)
-        return merged
+        return [inputs], self._merged({0: values})[0]
 
     def _critic_samples(
         self,

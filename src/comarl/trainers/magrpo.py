@@ -154,7 +154,9 @@ class MAGRPOTrainer:
                 # Adapters start from the agent's own seed: the same whichever process builds them.
                 with torch.random.fork_rng():
                     torch.manual_seed(args.seed + 100 + i)
-                    agent.model = add_lora(agent.model, args.lora_r, args.lora_alpha, args.lora_target_modules)
+                    agent.model = add_lora(
+                        agent.model, args.lora_r, args.lora_alpha, args.lora_target_modules
+                    )
             if args.gradient_checkpointing:
                 agent.model.gradient_checkpointing_enable()
             agent.model.train()
@@ -277,9 +279,8 @@ class MAGRPOTrainer:
                         for k, v in self.update_agent(i, rollout.generations[i], adv).items()
                     }
                 )
-        if self.parallel is not None:  # every process reports every agent's update metrics
-            for part in self.parallel.gather({k: v for k, v in metrics.items() if k.startswith("agent_")}):
-                metrics.update(part)
+        # every process reports every agent's update metrics
+        metrics.update(self._merged({k: v for k, v in metrics.items() if k.startswith("agent_")}))
         t2 = time.perf_counter()
         completions = sum(len(g.completions) for g in rollout.generations)
         metrics.update(
@@ -390,7 +391,6 @@ class MAGRPOTrainer:
         """What this process holds, for a checkpoint: its agents' weights, optimizers and schedules, and the
         joint-action stream (``comarl.checkpoint`` adds the global random streams)."""
         return {
-            "step": self.step,
             "agents": {
                 i: {
                     "model": self.team[i].model.state_dict(),
@@ -414,20 +414,26 @@ class MAGRPOTrainer:
             self.optimizers[i].load_state_dict(part["optimizer"])
             self.schedulers[i].load_state_dict(part["scheduler"])
         self.joint_generator.set_state(state["joint_generator"])
-        self.step = state["step"]
 
     def save_model(self, output_dir: str | Path) -> None:
         """Write ``output_dir/agent_{i}/`` per agent, each loadable with ``from_pretrained`` (each process its own)."""
         for i in self.local:
             agent = self.team[i]
             path = Path(output_dir) / f"agent_{i}"
-            if self.parallel is not None:
-                save_own_model(agent.model, path)
-            else:
-                agent.model.save_pretrained(path)
+            save_own_model(agent.model, path)
             agent.tokenizer.save_pretrained(path)
 
     # ------------------------------------------------------------------ helpers
+    def _merged(self, held: dict[Any, Any]) -> dict[Any, Any]:
+        """``held`` (what this process computed: metrics, values by agent) merged with every other process's;
+        ``held`` itself in a single-process run."""
+        if self.parallel is None:
+            return held
+        merged: dict[Any, Any] = {}
+        for part in self.parallel.gather(held):
+            merged.update(part)
+        return merged
+
     def _batches(self):  # noqa: ANN202
         """Items of each step after ``self.step``: a seeded permutation per epoch, ``prompts_per_step`` at a time
         (drop last). A resumed run skips the steps it has taken."""
