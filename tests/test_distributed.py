@@ -42,6 +42,15 @@ def run_args(**kw) -> dict:
     return base
 
 
+@pytest.fixture
+def one_thread():
+    """One intra-op thread, as in the workers, so both runs sum floats in the same order."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
+
+
 def _launch(trainer: str, agents: list[str], out: Path, overrides: dict) -> list[dict]:
     """Run tests/agent_parallel_worker.py in two processes (torchrun, gloo); each writes rank_<r>.json."""
     out.mkdir()
@@ -80,7 +89,7 @@ def _launch(trainer: str, agents: list[str], out: Path, overrides: dict) -> list
     ],
 )
 def test_two_processes_train_what_one_process_trains(
-    qwen_bpe, llama_word, tmp_path, trainer, overrides, saved
+    qwen_bpe, llama_word, tmp_path, trainer, overrides, saved, one_thread
 ):
     """Same rewards, per-agent (and critic) metrics, evaluation and saved weights as one process."""
     agents = [qwen_bpe, llama_word]
