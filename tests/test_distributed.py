@@ -147,3 +147,24 @@ def test_agent_parallel_needs_torchrun(qwen_bpe, monkeypatch):
             reward_func=two_word_reward,
             args=MAREINFORCEConfig(**run_args(agent_parallel=True)),
         )
+
+
+@pytest.mark.slow
+def test_madpo_in_two_processes_exchanges_margins(qwen_bpe, llama_word, tmp_path):
+    """MADPO's joint loss needs every agent's margin: each process computes its own agent's and they are
+    exchanged once per iteration. Sampled candidates differ between launches, so the processes are compared
+    with each other: the same team loss, and the team margin is the sum of the agents' margins."""
+    ranks = _launch(
+        "MADPO",
+        [qwen_bpe, llama_word],
+        tmp_path / "run",
+        {"top_k": None, "num_generations": 4, "candidates_from": "current", "save_steps": 2},
+    )
+    first, second = (r["metrics"] for r in ranks)
+    assert first["pairs"] == second["pairs"] > 0
+    for key in ("loss", "margin", "accuracy", "agent_0/margin", "agent_1/margin", "agent_1/grad_norm"):
+        assert first[key] == second[key], key
+    assert first["margin"] == pytest.approx(first["agent_0/margin"] + first["agent_1/margin"], abs=1e-6)
+    assert (
+        first["agent_0/margin"] != 0 and first["agent_1/margin"] != 0
+    )  # both agents moved off the reference

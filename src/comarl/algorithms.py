@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from comarl.choices import AGGREGATIONS, BASELINES, SCALES
+from comarl.choices import AGGREGATIONS, BASELINES, PAIR_SELECTIONS, SCALES
 
 
 def group_advantages(
@@ -342,3 +342,72 @@ def explained_variance(predictions: torch.Tensor, targets: torch.Tensor) -> floa
     if var == 0:
         return float("nan")
     return 1.0 - float((targets - predictions).var()) / var
+
+
+# ---------------------------------------------------------------------------- preferences (MADPO, MARLHF)
+
+
+def preference_pairs(
+    rewards: torch.Tensor,
+    max_pairs: int | None,
+    selection: str = "reward_gap",
+    generator: torch.Generator | None = None,
+) -> torch.Tensor:
+    """Preference pairs among the ``K`` candidates of each of ``B`` items: ``[P, 3]`` rows ``(item, chosen, rejected)``.
+
+    ``rewards [B, K]`` are the team rewards of the candidates. Every ordered pair with
+    ``r[chosen] > r[rejected]`` is eligible (ties give no preference and are dropped). Per item:
+    ``"reward_gap"`` keeps the ``max_pairs`` with the largest gap (ties in the gap: the first in
+    ``(chosen, rejected)`` order), ``"random"`` a uniform sample of ``max_pairs`` (``generator``), ``"all"``
+    every eligible pair (``max_pairs`` ignored). Items come in order; ``max_pairs=None`` keeps all.
+    """
+    if selection not in PAIR_SELECTIONS:
+        raise ValueError(f"preference_pairs: selection={selection!r}, choose one of {list(PAIR_SELECTIONS)}")
+    B, K = rewards.shape
+    chosen, rejected = torch.meshgrid(torch.arange(K), torch.arange(K), indexing="ij")
+    chosen, rejected = chosen.flatten(), rejected.flatten()
+    rows = []
+    for b in range(B):
+        r = rewards[b].float()
+        gap = r[chosen] - r[rejected]
+        keep = (gap > 0).nonzero().flatten()
+        if selection == "reward_gap":
+            keep = keep[torch.sort(gap[keep], descending=True, stable=True).indices]
+        elif selection == "random":
+            keep = keep[torch.randperm(keep.numel(), generator=generator)]
+        if selection != "all" and max_pairs is not None:
+            keep = keep[:max_pairs]
+        rows.append(torch.stack([torch.full_like(keep, b), chosen[keep], rejected[keep]], dim=1))
+    return torch.cat(rows) if rows else torch.zeros(0, 3, dtype=torch.long)
+
+
+def sequence_logprobs(token_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """``log pi(y | x) = sum_t mask_t log pi(y_t | x, y_<t)`` per sequence, ``[B, T] -> [B]``."""
+    return (token_logprobs * mask).sum(dim=-1)
+
+
+def dpo_margins(
+    chosen: torch.Tensor,
+    rejected: torch.Tensor,
+    ref_chosen: torch.Tensor | None,
+    ref_rejected: torch.Tensor | None,
+    beta: float,
+) -> torch.Tensor:
+    """DPO's implicit reward margin per pair::
+
+    m = beta * [(log pi(y_w) - log pi_ref(y_w)) - (log pi(y_l) - log pi_ref(y_l))]
+
+    from sequence log-probs; ``ref_* = None`` is reference-free DPO (``log pi_ref = 0``).
+    For a team, the joint policy is the product of the agents' policies, so the team's margin is
+    the sum of the agents' margins.
+    """
+    margin = chosen - rejected
+    if ref_chosen is not None:
+        margin = margin - (ref_chosen - ref_rejected)
+    return beta * margin
+
+
+def preference_loss(margins: torch.Tensor) -> torch.Tensor:
+    """Bradley-Terry negative log-likelihood ``-log sigmoid(m)`` per pair (DPO on margins; a reward model on
+    score differences ``m = s_w - s_l``)."""
+    return -torch.nn.functional.logsigmoid(margins)

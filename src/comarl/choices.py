@@ -3,3 +3,4 @@
 BASELINES = ("group_mean", "none", "leave_one_out", "group_max", "greedy")
 SCALES = ("group", "batch", "turn", "none")
 AGGREGATIONS = ("grpo", "dr_grpo", "dapo")
+PAIR_SELECTIONS = ("reward_gap", "random", "all")

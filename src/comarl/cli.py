@@ -121,7 +121,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _train(spec: RunSpec, resume: bool = False) -> int:
-    from comarl.trainers import actor_critic, magrpo
+    from comarl.trainers import actor_critic, magrpo, preference
 
     trainer_cls = {
         "magrpo": magrpo.MAGRPOTrainer,
@@ -132,6 +132,8 @@ def _train(spec: RunSpec, resume: bool = False) -> int:
         "maac": actor_critic.MAACTrainer,
         "ippo": actor_critic.IPPOTrainer,
         "mappo": actor_critic.MAPPOTrainer,
+        "madpo": preference.MADPOTrainer,
+        "marlhf": preference.MARLHFTrainer,
     }[spec.trainer]
     args = spec.trainer_args()
     if spec.task == "demo":

@@ -12,7 +12,7 @@ from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from comarl.choices import AGGREGATIONS, BASELINES, SCALES
+from comarl.choices import AGGREGATIONS, BASELINES, PAIR_SELECTIONS, SCALES
 
 
 class ConfigError(ValueError):
@@ -623,6 +623,157 @@ class MAPPOConfig(IPPOConfig):
     centralized_critic: bool = _help("MAPPO: one critic over every agent's observation.", default=True)
 
 
+def _check_preference_fields(config: MAGRPOConfig, candidates: int, trainer: str) -> None:
+    """The pair fields shared by MADPO and MARLHF, and the single turn both need."""
+    if candidates < 2:
+        raise ConfigError(
+            f"{trainer}: {candidates} candidates per prompt cannot form a preference pair; use at least 2"
+        )
+    pairs = config.preference_pairs_per_sample  # type: ignore[attr-defined]
+    if pairs is not None and (not isinstance(pairs, int) or pairs < 1):
+        raise ConfigError(f"preference_pairs_per_sample={pairs!r}: must be an integer >= 1 (or None for all)")
+    if config.pair_selection not in PAIR_SELECTIONS:  # type: ignore[attr-defined]
+        raise ConfigError(
+            f"pair_selection={config.pair_selection!r}: choose one of {list(PAIR_SELECTIONS)}"  # type: ignore[attr-defined]
+        )
+    if config.num_turns != 1:
+        raise ConfigError(
+            f"num_turns={config.num_turns}: {trainer} compares whole single-turn joint answers; set num_turns=1"
+        )
+
+
+@dataclass
+class MADPOConfig(MAGRPOConfig):
+    """MADPO: multi-agent DPO on the team's preferences between joint answers.
+
+    Each agent samples ``num_generations`` candidates per prompt; joint candidate ``k`` is every
+    agent's k-th answer, scored by the task reward. Pairs (chosen, rejected) with a higher / lower
+    team reward train every agent with DPO on the team's joint margin (see ``docs/preference.md``).
+    """
+
+    num_generations: int = _help(
+        "Candidates each agent samples per prompt (CoMLRL: preference_num_candidates); joint candidate k is every "
+        "agent's k-th answer.",
+        default=8,
+    )
+    preference_pairs_per_sample: int | None = _help(
+        "Most preference pairs kept per prompt (pair_selection 'reward_gap' or 'random'; None = all).",
+        default=16,
+    )
+    pair_selection: str = _help(
+        "Which pairs of a prompt to keep among those with a higher and a lower team reward: 'reward_gap' (largest "
+        "gaps first), 'random' (seeded), or 'all'.",
+        default="reward_gap",
+    )
+    dpo_beta: float = _help("DPO's beta: the strength of the pull towards the reference policy.", default=0.1)
+    dpo_reference: str = _help(
+        "'initial': standard DPO against each agent's initial policy (no copy when candidates_from='initial' or "
+        "with LoRA); 'none': reference-free, as CoMLRL's MADPO.",
+        default="initial",
+    )
+    dpo_margin: str = _help(
+        "'joint': each agent follows the gradient of the team's loss -log sigmoid(sum of every agent's margin); "
+        "'own': each agent its own DPO loss -log sigmoid(own margin) on the team's preferences.",
+        default="joint",
+    )
+    candidates_from: str = _help(
+        "'initial': candidates sampled once, before training, from the initial team, for the whole dataset "
+        "(CoMLRL's MADPO); 'current': sampled every step from the current team (online, iterative DPO).",
+        default="initial",
+    )
+    baseline: str = _help("MADPO uses no advantages; only 'none'.", default="none")
+    scale: str = _help("MADPO uses no advantages; only 'none'.", default="none")
+    preference_num_candidates: InitVar[int | None] = None
+
+    def __post_init__(self, *initvars: Any) -> None:
+        *comlrl, candidates = initvars
+        if candidates is not None:
+            self.num_generations = candidates
+        super().__post_init__(*comlrl)
+
+    def validate_advantage(self) -> None:
+        if self.baseline != "none" or self.scale != "none":
+            raise ConfigError(
+                "MADPO learns from preference pairs, not advantages: remove baseline= and scale="
+            )
+        if self.beta != 0:
+            raise ConfigError(
+                f"beta={self.beta}: MADPO's pull towards the reference is dpo_beta; set beta=0 (and dpo_beta=)"
+            )
+        _check_preference_fields(self, self.num_generations, "MADPO")
+        if self.joint_mode != "aligned":
+            raise ConfigError(
+                f"joint_mode={self.joint_mode!r}: MADPO's joint candidate k is every agent's k-th answer; "
+                "set joint_mode='aligned'"
+            )
+        if not self.dpo_beta > 0:
+            raise ConfigError(f"dpo_beta={self.dpo_beta!r}: must be > 0")
+        for name, allowed in (
+            ("dpo_reference", ("initial", "none")),
+            ("dpo_margin", ("joint", "own")),
+            ("candidates_from", ("initial", "current")),
+        ):
+            if getattr(self, name) not in allowed:
+                raise ConfigError(f"{name}={getattr(self, name)!r}: choose one of {list(allowed)}")
+
+
+@dataclass
+class MARLHFConfig(MAGRPOConfig):
+    """MARLHF: a joint reward model learned from the team's preference pairs, then MAGRPO on its scores.
+
+    Stage 1 (once, before training): every agent samples ``preference_num_candidates`` answers per
+    training prompt; joint candidates are scored by the task reward and paired as in MADPO; a reward
+    model (a backbone with a scalar head reading every agent's prompt and answer) is fit with the
+    Bradley-Terry loss. Stage 2: the MAGRPO loop, with the reward model's score as the team reward;
+    the task reward is still logged (``reward/task``) and used by evaluation.
+    """
+
+    preference_num_candidates: int = _help(
+        "Stage 1: answers each agent samples per training prompt for the reward model's pairs.", default=8
+    )
+    preference_pairs_per_sample: int | None = _help(
+        "Stage 1: most preference pairs kept per prompt (None = all).", default=16
+    )
+    pair_selection: str = _help(
+        "Stage 1: 'reward_gap' (largest gaps first), 'random' (seeded) or 'all'.", default="reward_gap"
+    )
+    reward_model: str | None = _help(
+        "Hub id or path of the reward model's backbone; None = agent 0's model (its starting weights).",
+        default=None,
+    )
+    reward_learning_rate: float = _help("AdamW learning rate of the reward model.", default=1e-5)
+    reward_num_train_epochs: int = _help("Passes of the reward model over the preference pairs.", default=1)
+    reward_train_batch_size: int = _help("Preference pairs per reward-model optimizer step.", default=8)
+    reward_refit_steps: int = _help(
+        "0: fit the reward model once, on the initial team's candidates (CoMLRL's MARLHF). k > 0: also refit it every "
+        "k steps on fresh candidates of the current team (iterative MARLHF), so that it keeps judging the answers "
+        "the team now gives instead of being exploited outside the data it saw.",
+        default=0,
+    )
+    fit_reward_model: bool = _help(
+        "Fit the reward model before the first step (stage 1); False uses reward_model= as it is (e.g. the "
+        "reward_model/ folder an earlier MARLHF run saved).",
+        default=True,
+    )
+
+    def validate_advantage(self) -> None:
+        super().validate_advantage()
+        _check_preference_fields(self, self.preference_num_candidates, "MARLHF")
+        if not self.reward_learning_rate > 0:
+            raise ConfigError(f"reward_learning_rate={self.reward_learning_rate!r}: must be > 0")
+        if not isinstance(self.reward_refit_steps, int) or self.reward_refit_steps < 0:
+            raise ConfigError(f"reward_refit_steps={self.reward_refit_steps!r}: must be an integer >= 0")
+        for name in ("reward_num_train_epochs", "reward_train_batch_size"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or value < 1:
+                raise ConfigError(f"{name}={value!r}: must be an integer >= 1")
+        if self.agent_parallel:
+            raise ConfigError(
+                "MARLHF does not run agent-parallel yet (the reward model is trained in one process); "
+                "set agent_parallel=False"
+            )
+
+
 def config_help(config_cls: type) -> dict[str, str]:
     """Field name -> help line, for docs and the CLI."""
     return {f.name: f.metadata.get("help", "") for f in dataclasses.fields(config_cls)}
@@ -630,7 +781,7 @@ def config_help(config_cls: type) -> dict[str, str]:
 
 # ---------------------------------------------------------------------------- run specs (YAML / CLI)
 
-TRAINERS = ("magrpo", "mareinforce", "marloo", "maremax", "iac", "maac", "ippo", "mappo")
+TRAINERS = ("magrpo", "mareinforce", "marloo", "maremax", "iac", "maac", "ippo", "mappo", "madpo", "marlhf")
 TASKS = ("demo", "function", "code", "writing")
 
 
@@ -683,6 +834,8 @@ def config_class(trainer: str) -> type[MAGRPOConfig]:
         "maac": MAACConfig,
         "ippo": IPPOConfig,
         "mappo": MAPPOConfig,
+        "madpo": MADPOConfig,
+        "marlhf": MARLHFConfig,
     }[trainer]
 
 

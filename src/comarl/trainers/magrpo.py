@@ -121,7 +121,8 @@ class MAGRPOTrainer:
                 f"env.num_turns={env.num_turns} but args.num_turns={args.num_turns}: set the trainer's num_turns to "
                 "the environment's turn limit"
             )
-        self.env = env
+        # task_env scores evaluations; env is what training steps in (MARLHF swaps in a learned reward).
+        self.env = self.task_env = env
         self.train_dataset, self.eval_dataset = train_dataset, eval_dataset
         self.num_agents = n
 
@@ -374,7 +375,7 @@ class MAGRPOTrainer:
                 # G independent episodes per item (not a G-ary tree): each path samples one answer per turn.
                 items, paths = [item for item in items for _ in range(G)], G
             rollout = collect(
-                self.env,
+                self.task_env,
                 self.team.agents,
                 items,
                 engine=self.engine,
@@ -435,8 +436,13 @@ class MAGRPOTrainer:
         return merged
 
     def _batches(self):  # noqa: ANN202
-        """Items of each step after ``self.step``: a seeded permutation per epoch, ``prompts_per_step`` at a time
-        (drop last). A resumed run skips the steps it has taken."""
+        """Items of each step after ``self.step`` (see ``_batch_indices``)."""
+        for indices in self._batch_indices():
+            yield [self.train_dataset[j] for j in indices]
+
+    def _batch_indices(self):  # noqa: ANN202
+        """Dataset indices of each step after ``self.step``: a seeded permutation per epoch, ``prompts_per_step``
+        at a time (drop last). A resumed run skips the steps it has taken."""
         args, size = self.args, len(self.train_dataset)
         per_epoch = args.steps_per_epoch(size)
         produced, epoch = 0, 0
@@ -448,8 +454,7 @@ class MAGRPOTrainer:
                 if produced == self.total_steps:
                     return
                 if produced >= self.step:
-                    ids = order[s * args.prompts_per_step : (s + 1) * args.prompts_per_step].tolist()
-                    yield [self.train_dataset[j] for j in ids]
+                    yield order[s * args.prompts_per_step : (s + 1) * args.prompts_per_step].tolist()
                 produced += 1
             epoch += 1
 

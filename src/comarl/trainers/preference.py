@@ -1,0 +1,486 @@
+"""Preference methods: MADPO (multi-agent DPO) and MARLHF (a learned joint reward model, then MAGRPO).
+
+Both start from the team's own candidates: every agent answers each prompt K times, joint
+candidate ``k`` is every agent's k-th answer, and the task reward ranks them. Pairs
+(chosen, rejected) of joint candidates of one prompt, with a higher and a lower team reward,
+are the preference data (``algorithms.preference_pairs``).
+
+MADPO, one training step (``MADPOTrainer.training_step``):
+
+1. the candidates of ``prompts_per_step`` items: sampled now from the current team
+   (``candidates_from="current"``), or taken from those the initial team sampled for the whole
+   dataset before the first step (``"initial"``, CoMLRL's MADPO);
+2. preference pairs from their team rewards;
+3. each agent's DPO margin on every pair,
+   ``m_i = beta [(log pi_i(w_i) - log ref_i(w_i)) - (log pi_i(l_i) - log ref_i(l_i))]``;
+4. each agent one optimizer step (``num_iterations`` passes) on the team's loss
+   ``-log sigmoid(sum_j m_j)``: the joint policy is the product of the agents' policies, so the
+   team's margin is the sum of theirs, and agent i follows its gradient with respect to its own
+   weights. ``dpo_margin="own"``: ``-log sigmoid(m_i)`` instead.
+
+MARLHF (``MARLHFTrainer``): before the first step, the initial team's candidates over the training
+set give pairs; a reward model (a backbone and a scalar head reading every agent's prompt and
+answer) is fit on them with the Bradley-Terry loss; then the MAGRPO loop trains the team on the
+reward model's score (``RewardModelEnv``) while the task reward is logged and evaluated.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from comarl.agents import Agent
+from comarl.algorithms import dpo_margins, preference_loss, preference_pairs, sequence_logprobs
+from comarl.config import ConfigError, MADPOConfig, MARLHFConfig
+from comarl.critics import CriticModel, joint_observation
+from comarl.engines import Generation, concat_generations
+from comarl.envs import Env, StepResult, prompt_text
+from comarl.rollout import collect
+from comarl.trainers.magrpo import MAGRPOTrainer, _reference, fused_adamw, rollout_metrics
+
+
+class MADPOTrainer(MAGRPOTrainer):
+    """Multi-agent DPO on the team's preferences between joint answers (MADPOConfig)."""
+
+    config_class = MADPOConfig
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        a = self.args
+        # The reference is the initial policy. Candidates from the initial team carry its log-probs from the
+        # moment they are sampled; candidates sampled later need a frozen copy (or the agent without adapters).
+        if a.dpo_reference == "initial" and a.candidates_from == "current":
+            self.references = [
+                _reference(x.model) if i in self.local else None for i, x in enumerate(self.team)
+            ]
+        self.pair_generator = torch.Generator().manual_seed(a.seed + 3)
+        # candidates_from="initial": per dataset item, what the initial team answered (see _initial_candidates).
+        self.candidates: list[dict[str, Any]] | None = None
+
+    # ------------------------------------------------------------------ one training step
+    def training_step(self, items: Sequence[Any]) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        import time
+
+        args, K = self.args, self.args.num_generations
+        t0 = time.perf_counter()
+        metrics: dict[str, float] = {}
+        if args.candidates_from == "current":
+            rollout = self._collect(items)
+            generations, rewards = rollout.generations, rollout.rewards.mean(dim=-1)  # [B, K] team rewards
+            ref = None
+            metrics.update(rollout_metrics(rollout))
+            generate_seconds = rollout.generate_seconds
+        else:
+            if self.candidates is None:
+                self.candidates, generate_seconds = self._initial_candidates()
+            else:
+                generate_seconds = 0.0
+            generations, rewards, ref = self._cached(self._step_indices)
+        pairs = preference_pairs(
+            rewards, args.preference_pairs_per_sample, args.pair_selection, self.pair_generator
+        )
+        metrics["candidates/reward"] = float(rewards.mean())
+        metrics["pairs"] = float(pairs.shape[0])
+        metrics["pairs/reward_gap"] = (
+            float((rewards[pairs[:, 0], pairs[:, 1]] - rewards[pairs[:, 0], pairs[:, 2]]).mean())
+            if len(pairs)
+            else 0.0
+        )
+        t1 = time.perf_counter()
+        if len(pairs):
+            metrics.update(self.update_team(generations, pairs, K, ref))
+        t2 = time.perf_counter()
+        metrics.update(
+            {
+                "time/generate": generate_seconds,
+                "time/update": t2 - t1,
+                "time/step": t2 - t0,
+            }
+        )
+        return metrics, self._pair_samples(generations, rewards, pairs, K)
+
+    def update_team(
+        self,
+        generations: Sequence[Generation],
+        pairs: torch.Tensor,
+        K: int,
+        ref: Sequence[torch.Tensor | None] | None,
+    ) -> dict[str, float]:
+        """``num_iterations`` DPO steps of every agent this process trains, on ``pairs`` ``[P, 3]`` of
+        ``(item, chosen, rejected)`` among the candidates (row ``item * K + k`` of each generation)."""
+        args, P = self.args, pairs.shape[0]
+        chosen, rejected = pairs[:, 0] * K + pairs[:, 1], pairs[:, 0] * K + pairs[:, 2]
+        # Only rows in some pair are scored; each once, however many pairs it is in.
+        rows, where = torch.unique(torch.cat([chosen, rejected]), return_inverse=True)
+        win, lose = where[:P], where[P:]
+        metrics: dict[str, float] = {}
+        for _ in range(args.num_iterations):
+            margins, rewards = {}, {}
+            for i in self.local:
+                gen = generations[i]
+                logp = self._sequence_logprobs(self.team[i], gen, rows)
+                if ref is not None and ref[i] is not None:
+                    ref_logp = ref[i][rows]
+                elif self.references is not None:
+                    ref_logp = self._sequence_logprobs(self.team[i], gen, rows, self.references[i])
+                else:
+                    ref_logp = torch.zeros_like(logp)
+                margins[i] = dpo_margins(logp[win], logp[lose], ref_logp[win], ref_logp[lose], args.dpo_beta)
+                rewards[i] = args.dpo_beta * (logp - ref_logp)  # DPO's implicit reward of each scored row
+            if args.dpo_margin == "joint":  # every agent's margin, from whichever process trains it
+                margins = self._merged(margins)
+                team = torch.stack([margins[j] for j in sorted(margins)]).sum(dim=0)
+            for i in self.local:
+                total = team if args.dpo_margin == "joint" else margins[i]
+                # d loss / d m_i per pair, for loss = mean_p -log sigmoid(total_p); m_i moves with
+                # +beta log pi_i(w) and -beta log pi_i(l), so each scored row gets one weight.
+                dloss = -(1 - torch.sigmoid(total)) / P
+                weight = torch.zeros(len(rows)).index_add_(0, win, dloss * args.dpo_beta)
+                weight.index_add_(0, lose, -dloss * args.dpo_beta)
+                stats = self._dpo_step(i, generations[i], rows, weight)
+                stats.update(
+                    {
+                        "loss": float(preference_loss(total).mean()),
+                        "margin": float(margins[i].mean()),
+                        "accuracy": float((margins[i] > 0).float().mean()),
+                        "chosen_reward": float(rewards[i][win].mean()),
+                        "rejected_reward": float(rewards[i][lose].mean()),
+                    }
+                )
+                metrics.update({f"agent_{i}/{k}": v for k, v in stats.items()})
+        metrics = self._merged(metrics)
+        if args.dpo_margin == "joint":
+            metrics["loss"] = float(preference_loss(team).mean())
+            metrics["margin"] = float(team.mean())
+            metrics["accuracy"] = float((team > 0).float().mean())
+        return metrics
+
+    def _dpo_step(
+        self, i: int, gen: Generation, rows: torch.Tensor, weight: torch.Tensor
+    ) -> dict[str, float]:
+        """One optimizer step of agent ``i`` on ``sum_r weight_r log pi_i(row r)``, whose gradient is the DPO
+        loss's (the weights are its derivative in each row's log-prob), one micro-batch at a time."""
+        args, agent, optimizer = self.args, self.team[i], self.optimizers[i]
+        weight = weight.to(agent.device)
+        width = gen.prompt_ids.shape[1] + gen.completion_ids.shape[1]
+        micro = args.micro_batch_rows(len(rows), width)
+        for s in range(0, len(rows), micro):
+            part = rows[s : s + micro]
+            with self._autocast(agent.device):
+                logp = self._row_logprobs(agent, gen, part)
+            (weight[s : s + micro] * logp).sum().backward()
+        params = [p for p in agent.model.parameters() if p.requires_grad]
+        max_norm = args.max_grad_norm if args.max_grad_norm is not None else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        optimizer.step()
+        self.schedulers[i].step()
+        optimizer.zero_grad(set_to_none=True)
+        return {"grad_norm": grad_norm, "lr": self.schedulers[i].get_last_lr()[0]}
+
+    # ------------------------------------------------------------------ candidates
+    def _initial_candidates(self) -> tuple[list[dict[str, Any]], float]:
+        """Every training item's candidates from the initial team, with their team rewards and (dpo_reference
+        'initial') each agent's log-probs of them, the reference for the whole run."""
+        args, K, size = self.args, self.args.num_generations, len(self.train_dataset)
+        cache: list[dict[str, Any]] = []
+        seconds = 0.0
+        for start in range(0, size, args.prompts_per_step):
+            items = [self.train_dataset[j] for j in range(start, min(start + args.prompts_per_step, size))]
+            rollout = self._collect(items)
+            seconds += rollout.generate_seconds
+            team_rewards = rollout.rewards.mean(dim=-1)
+            ref = (
+                {
+                    i: self._sequence_logprobs(
+                        self.team[i], rollout.generations[i], torch.arange(len(items) * K)
+                    )
+                    for i in self.local
+                }
+                if args.dpo_reference == "initial"
+                else {}
+            )
+            for b in range(len(items)):
+                block = slice(b * K, (b + 1) * K)
+                cache.append(
+                    {
+                        "generations": {
+                            i: _trimmed(_rows(rollout.generations[i], block)) for i in self.local
+                        },
+                        "rewards": team_rewards[b],
+                        "ref": {i: r[block] for i, r in ref.items()},
+                    }
+                )
+        return cache, seconds
+
+    def _cached(
+        self, indices: Sequence[int]
+    ) -> tuple[list[Generation | None], torch.Tensor, list[Any] | None]:
+        """The cached candidates of dataset items ``indices``, stacked as one step's batch."""
+        parts = [self.candidates[j] for j in indices]  # type: ignore[index]
+        generations: list[Generation | None] = [None] * self.num_agents
+        for i in self.local:
+            generations[i] = concat_generations(
+                [p["generations"][i] for p in parts], self.team[i].tokenizer.pad_token_id
+            )
+        ref = None
+        if self.args.dpo_reference == "initial":
+            ref = [
+                torch.cat([p["ref"][i] for p in parts]) if i in self.local else None
+                for i in range(self.num_agents)
+            ]
+        return generations, torch.stack([p["rewards"] for p in parts]), ref
+
+    def _batches(self):  # noqa: ANN202
+        # The cache is per dataset index, so remember which items each step takes.
+        for indices in self._batch_indices():
+            self._step_indices = indices
+            yield [self.train_dataset[j] for j in indices]
+
+    # ------------------------------------------------------------------ log-probs
+    def _row_logprobs(
+        self, agent: Agent, gen: Generation, rows: torch.Tensor, model: Any = None
+    ) -> torch.Tensor:
+        """``log pi(completion | prompt)`` of generation rows ``rows`` at temperature 1 (DPO scores the policy
+        itself, whatever temperature sampled the candidates)."""
+        rows = rows.to(gen.prompt_ids.device)
+        mask = gen.completion_mask[rows]
+        per_token = agent.completion_logprobs(
+            gen.prompt_ids[rows], gen.prompt_mask[rows], gen.completion_ids[rows], mask, 1.0, model=model
+        )
+        return sequence_logprobs(per_token, mask)
+
+    @torch.no_grad()
+    def _sequence_logprobs(
+        self, agent: Agent, gen: Generation, rows: torch.Tensor, model: Any = None
+    ) -> torch.Tensor:
+        """``_row_logprobs`` of ``rows`` without gradients, one micro-batch at a time, on the CPU."""
+        micro = self.args.micro_batch_rows(len(rows), gen.prompt_ids.shape[1] + gen.completion_ids.shape[1])
+        parts = []
+        for s in range(0, len(rows), micro):
+            with self._autocast(agent.device):
+                parts.append(self._row_logprobs(agent, gen, rows[s : s + micro], model).float().cpu())
+        return torch.cat(parts)
+
+    # ------------------------------------------------------------------ state, samples
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {
+            **super().checkpoint_state(),
+            "pairs": self.pair_generator.get_state(),
+            "candidates": self.candidates,
+        }
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        super().load_checkpoint_state(state)
+        self.pair_generator.set_state(state["pairs"])
+        self.candidates = state["candidates"]
+
+    def _pair_samples(
+        self, generations: Sequence[Generation | None], rewards: torch.Tensor, pairs: torch.Tensor, K: int
+    ) -> list[dict[str, Any]]:
+        """The first pair of the first ``log_completions`` items: both joint answers and their team rewards."""
+        samples, seen = [], set()
+        for b, win, lose in pairs.tolist():
+            if b in seen or len(seen) >= self.args.log_completions:
+                continue
+            seen.add(b)
+            samples.append(
+                {
+                    "chosen": [g.completions[b * K + win] if g is not None else None for g in generations],
+                    "rejected": [g.completions[b * K + lose] if g is not None else None for g in generations],
+                    "rewards": [float(rewards[b, win]), float(rewards[b, lose])],
+                }
+            )
+        return samples
+
+
+def _rows(gen: Generation, rows: slice) -> Generation:
+    return Generation(
+        gen.prompt_ids[rows],
+        gen.prompt_mask[rows],
+        gen.completion_ids[rows],
+        gen.completion_mask[rows],
+        gen.prompts[rows],
+        gen.completions[rows],
+    )
+
+
+def _trimmed(gen: Generation) -> Generation:
+    """``gen`` without the columns of padding its rows share (left of the prompts, right of the completions)."""
+    keep_prompt = gen.prompt_mask.any(dim=0).nonzero()
+    first = int(keep_prompt[0]) if len(keep_prompt) else gen.prompt_ids.shape[1] - 1
+    keep_completion = gen.completion_mask.any(dim=0).nonzero()
+    last = int(keep_completion[-1]) + 1 if len(keep_completion) else 1
+    return Generation(
+        gen.prompt_ids[:, first:].clone(),
+        gen.prompt_mask[:, first:].clone(),
+        gen.completion_ids[:, :last].clone(),
+        gen.completion_mask[:, :last].clone(),
+        list(gen.prompts),
+        list(gen.completions),
+    )
+
+
+# ---------------------------------------------------------------------------- MARLHF
+
+
+class RewardModelEnv(Env):
+    """The task environment with the team's reward replaced by a reward model's score of the joint answer.
+
+    The task's own rewards stay visible: their team mean as the ``task`` component (logged as
+    ``reward/task``), its reward components and its ``success``. Single-turn.
+    """
+
+    num_turns = 1
+
+    def __init__(self, task_env: Env, reward_model: CriticModel, batch_size: int = 64) -> None:
+        self.task_env, self.reward_model, self.batch_size = task_env, reward_model, batch_size
+        self.num_agents = task_env.num_agents
+        self.episode: Env | None = None
+        self.observations: list[Any] = []
+
+    def reset(self, item: Any) -> list[Any]:
+        self.episode = copy.copy(self.task_env)
+        self.observations = list(self.episode.reset(item))
+        return list(self.observations)
+
+    def step_many(
+        self, episodes: Sequence[Env], joint_actions: Sequence[Sequence[Sequence[str]]]
+    ) -> list[list[StepResult]]:
+        results = self.task_env.step_many([ep.episode for ep in episodes], joint_actions)  # type: ignore[attr-defined]
+        texts = [
+            joint_observation([prompt_text(o) for o in ep.observations], list(action))  # type: ignore[attr-defined]
+            for ep, actions in zip(episodes, joint_actions)
+            for action in actions
+        ]
+        scores = reward_scores(self.reward_model, texts, self.batch_size).tolist()
+        flat = [r for row in results for r in row]
+        for result, score in zip(flat, scores):
+            result.components = {**result.components, "task": sum(result.rewards) / len(result.rewards)}
+            result.rewards = [score] * self.num_agents
+        return results
+
+
+@torch.no_grad()
+def reward_scores(reward_model: CriticModel, texts: Sequence[str], batch_size: int = 64) -> torch.Tensor:
+    """The reward model's score of each text ``[len(texts)]``, ``batch_size`` texts per forward."""
+    parts = [
+        reward_model(*reward_model.encode(texts[s : s + batch_size]))[:, 0].float().cpu()
+        for s in range(0, len(texts), batch_size)
+    ]
+    return torch.cat(parts) if parts else torch.zeros(0)
+
+
+class MARLHFTrainer(MAGRPOTrainer):
+    """MARLHF: fit a joint reward model on the team's preference pairs, then MAGRPO on its scores (MARLHFConfig)."""
+
+    config_class = MARLHFConfig
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        a = self.args
+        source = a.reward_model or self.team[0].source
+        if source is None:
+            raise ConfigError("MARLHF: set reward_model= (a hub id or path); agent 0 was given as an object")
+        self.reward_model = CriticModel.from_pretrained(source, outputs=1, device=self.team[0].device)
+        params = list(self.reward_model.parameters())
+        self.reward_optimizer = torch.optim.AdamW(
+            params, lr=a.reward_learning_rate, betas=(a.adam_beta1, a.adam_beta2), fused=fused_adamw(params)
+        )
+        self.reward_model_fitted = not a.fit_reward_model
+        self.env = RewardModelEnv(self.task_env, self.reward_model)
+        self.pair_generator = torch.Generator().manual_seed(a.seed + 3)
+
+    def training_step(self, items: Sequence[Any]) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        k = self.args.reward_refit_steps
+        refit = k > 0 and self.step > 1 and (self.step - 1) % k == 0
+        fitted = self.fit_reward_model() if refit or not self.reward_model_fitted else {}
+        metrics, samples = super().training_step(items)
+        return {**fitted, **metrics}, samples
+
+    def fit_reward_model(self) -> dict[str, float]:
+        """Stage 1: the team's candidates on the training set, preference pairs from the task reward, and
+        ``reward_num_train_epochs`` passes of the Bradley-Terry loss ``-log sigmoid(s_w - s_l)`` over them."""
+        args, K, size = self.args, self.args.preference_num_candidates, len(self.train_dataset)
+        chosen_texts: list[str] = []
+        rejected_texts: list[str] = []
+        for start in range(0, size, args.prompts_per_step):
+            items = [self.train_dataset[j] for j in range(start, min(start + args.prompts_per_step, size))]
+            rollout = collect(
+                self.task_env,
+                self.team.agents,
+                items,
+                engine=self.engine,
+                num_generations=K,
+                params=self._sampling(),
+                pool=self.pool,
+            )
+            rewards = rollout.rewards.mean(dim=-1)
+            pairs = preference_pairs(
+                rewards, args.preference_pairs_per_sample, args.pair_selection, self.pair_generator
+            )
+            for b, win, lose in pairs.tolist():
+                observations = [prompt_text(o) for o in rollout.states[b][1]]
+                answer = [[g.completions[b * K + k] for g in rollout.generations] for k in (win, lose)]
+                chosen_texts.append(joint_observation(observations, answer[0]))
+                rejected_texts.append(joint_observation(observations, answer[1]))
+        P = len(chosen_texts)
+        if P == 0:
+            raise ConfigError(
+                f"MARLHF: every candidate of every training prompt got the same task reward, so there is no preference "
+                f"pair to learn from; raise preference_num_candidates (now {K}) or the sampling temperature"
+            )
+        model, bs = self.reward_model, args.reward_train_batch_size
+        model.train()
+        params = list(model.parameters())
+        max_norm = args.max_grad_norm if args.max_grad_norm is not None else math.inf
+        for _ in range(args.reward_num_train_epochs):
+            order = torch.randperm(P, generator=self.pair_generator).tolist()
+            loss_sum, correct = 0.0, 0
+            for s in range(0, P, bs):
+                batch = order[s : s + bs]
+                scores = model(
+                    *model.encode([chosen_texts[j] for j in batch] + [rejected_texts[j] for j in batch])
+                )[:, 0]
+                margin = scores[: len(batch)] - scores[len(batch) :]
+                loss = preference_loss(margin).mean()
+                loss.backward()
+                torch.nn.utils.clip_grad_norm_(params, max_norm)
+                self.reward_optimizer.step()
+                self.reward_optimizer.zero_grad(set_to_none=True)
+                loss_sum += float(loss.detach()) * len(batch)
+                correct += int((margin.detach() > 0).sum())
+        model.eval()
+        self.reward_model_fitted = True
+        after = reward_scores(model, chosen_texts) - reward_scores(model, rejected_texts)
+        return {
+            "reward_model/pairs": float(P),
+            "reward_model/loss": loss_sum / P,  # the last epoch's, as it trained
+            "reward_model/accuracy": float((after > 0).float().mean()),  # after training, on its pairs
+        }
+
+    def checkpoint_state(self) -> dict[str, Any]:
+        return {
+            **super().checkpoint_state(),
+            "reward_model": self.reward_model.state_dict(),
+            "reward_optimizer": self.reward_optimizer.state_dict(),
+            "reward_model_fitted": self.reward_model_fitted,
+            "pairs": self.pair_generator.get_state(),
+        }
+
+    def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        super().load_checkpoint_state(state)
+        self.reward_model.load_state_dict(state["reward_model"])
+        self.reward_optimizer.load_state_dict(state["reward_optimizer"])
+        self.reward_model_fitted = state["reward_model_fitted"]
+        self.pair_generator.set_state(state["pairs"])
+
+    def save_model(self, output_dir: str | Path) -> None:
+        """The agents (``agent_i/``) and the reward model (``reward_model/``, reloadable with
+        ``reward_model=<that folder>, fit_reward_model=False``)."""
+        super().save_model(output_dir)
+        self.reward_model.save(Path(output_dir) / "reward_model")

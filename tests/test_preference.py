@@ -1,0 +1,451 @@
+"""Preference methods: pair selection and DPO math by hand, MADPO's update against autograd of the team's DPO
+loss, MARLHF's reward model, learning on the demo game, checkpoints and config errors."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+
+from comarl import ConfigError, MADPOConfig, MADPOTrainer, MARLHFConfig, MARLHFTrainer
+from comarl.algorithms import dpo_margins, preference_loss, preference_pairs, sequence_logprobs
+from comarl.critics import joint_observation
+from comarl.tasks import demo
+from comarl.trainers.preference import RewardModelEnv, reward_scores
+
+DATA = [{"prompt": p} for p in ("def add(a, b):", "the agents meet at", "alice and bob", "return a + b")]
+
+
+def length_reward(a, b):
+    """Shared reward that differs between joint answers, so candidates of one prompt can be ranked."""
+    return [len(x) / 10 - len(y) / 20 for x, y in zip(a, b)]
+
+
+class CountingReward:
+    __name__ = "length_reward"
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self, a, b):
+        self.calls += 1
+        return length_reward(a, b)
+
+
+def madpo_args(**kw) -> MADPOConfig:
+    base = dict(
+        prompts_per_step=2,
+        num_generations=4,
+        max_new_tokens=5,
+        learning_rate=1e-3,
+        max_steps=1,
+        progress_bar=False,
+        reward_call="batched",
+        seed=3,
+    )
+    base.update(kw)
+    return MADPOConfig(**base)
+
+
+# ---------------------------------------------------------------------------- the math, by hand
+
+
+def test_preference_pairs_by_hand():
+    rewards = torch.tensor([[1.0, 0.0, 0.5], [2.0, 2.0, 2.0], [0.0, 1.0, 1.0]])
+    # item 0: eligible (0,1) gap 1, (0,2) gap .5, (2,1) gap .5; equal gaps keep (chosen, rejected) order.
+    # item 1: all tied, no pair. item 2: (1,0) and (2,0), gap 1 each; (1,2) is a tie.
+    assert preference_pairs(rewards, 2, "reward_gap").tolist() == [[0, 0, 1], [0, 0, 2], [2, 1, 0], [2, 2, 0]]
+    assert preference_pairs(rewards, 1, "reward_gap").tolist() == [[0, 0, 1], [2, 1, 0]]
+    every = [[0, 0, 1], [0, 0, 2], [0, 2, 1], [2, 1, 0], [2, 2, 0]]
+    assert preference_pairs(rewards, 1, "all").tolist() == every  # 'all' ignores the cap
+    picked = preference_pairs(rewards, 2, "random", torch.Generator().manual_seed(0)).tolist()
+    assert len(picked) == 4 and all(p in every for p in picked)
+    assert [p[0] for p in picked] == [0, 0, 2, 2]
+    assert picked == preference_pairs(rewards, 2, "random", torch.Generator().manual_seed(0)).tolist()
+    assert preference_pairs(torch.ones(2, 3), None, "reward_gap").shape == (0, 3)
+    with pytest.raises(ValueError, match="selection='best'"):
+        preference_pairs(rewards, 2, "best")
+
+
+def test_dpo_margin_and_loss_by_hand():
+    chosen, rejected = torch.tensor([-1.0]), torch.tensor([-3.0])
+    ref_chosen, ref_rejected = torch.tensor([-1.5]), torch.tensor([-2.5])
+    # 0.5 * ((-1 + 1.5) - (-3 + 2.5)) = 0.5 * (0.5 + 0.5)
+    margin = dpo_margins(chosen, rejected, ref_chosen, ref_rejected, 0.5)
+    assert margin.tolist() == [0.5]
+    assert dpo_margins(chosen, rejected, None, None, 0.5).tolist() == [1.0]  # reference-free: 0.5 * 2
+    assert float(preference_loss(margin)) == pytest.approx(math.log(1 + math.exp(-0.5)))
+    assert float(preference_loss(torch.tensor(0.0))) == pytest.approx(math.log(2))
+    tokens = torch.tensor([[-1.0, -2.0, -4.0], [-0.5, -0.5, -9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    assert sequence_logprobs(tokens, mask).tolist() == [-7.0, -1.0]
+
+
+# ---------------------------------------------------------------------------- MADPO's update
+
+
+@pytest.mark.parametrize("margin_mode", ["joint", "own"])
+def test_madpo_step_follows_the_gradient_of_the_team_dpo_loss(qwen_bpe, llama_word, margin_mode):
+    """The per-row weighted update (each row scored once, in micro-batches) has the gradient of
+    mean_p -log sigmoid(sum_j m_j) ('joint') or of -log sigmoid(m_i) ('own') computed pair by pair with autograd."""
+    trainer = MADPOTrainer(
+        agents=[qwen_bpe, llama_word],
+        train_dataset=DATA,
+        reward_func=length_reward,
+        args=madpo_args(
+            candidates_from="current",
+            dpo_beta=0.5,
+            dpo_margin=margin_mode,
+            max_grad_norm=None,
+            micro_batch_tokens=40,
+        ),
+    )
+    with torch.no_grad():  # move the agents away from their references, so margins are not all 0
+        for agent in trainer.team:
+            for p in agent.model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+    rollout = trainer._collect(DATA[:2])
+    K = 4
+    pairs = preference_pairs(rollout.rewards.mean(dim=-1), 16, "reward_gap")
+    assert len(pairs) >= 3
+    chosen, rejected = pairs[:, 0] * K + pairs[:, 1], pairs[:, 0] * K + pairs[:, 2]
+
+    margins, params = [], []
+    for i, agent in enumerate(trainer.team):
+        gen = rollout.generations[i]
+        params.append([p for p in agent.model.parameters() if p.requires_grad])
+
+        def logp(rows, model=None, agent=agent, gen=gen):
+            per_token = agent.completion_logprobs(
+                gen.prompt_ids[rows],
+                gen.prompt_mask[rows],
+                gen.completion_ids[rows],
+                gen.completion_mask[rows],
+                1.0,
+                model=model,
+            )
+            return sequence_logprobs(per_token, gen.completion_mask[rows])
+
+        with torch.no_grad():
+            ref_w, ref_l = logp(chosen, trainer.references[i]), logp(rejected, trainer.references[i])
+        margins.append(0.5 * ((logp(chosen) - ref_w) - (logp(rejected) - ref_l)))
+    expected = []
+    for i in range(2):
+        loss = preference_loss(margins[0] + margins[1] if margin_mode == "joint" else margins[i]).mean()
+        expected.append(torch.autograd.grad(loss, params[i], retain_graph=True))
+
+    recorded = {}
+    for i, optimizer in enumerate(trainer.optimizers):
+        optimizer.step = lambda *a, i=i, **k: recorded.__setitem__(i, [p.grad.clone() for p in params[i]])
+    metrics = trainer.update_team(rollout.generations, pairs, K, None)
+    for i in range(2):
+        assert len(recorded[i]) == len(expected[i])
+        for got, want in zip(recorded[i], expected[i]):
+            assert torch.allclose(got, want, atol=1e-6, rtol=1e-4)
+        assert metrics[f"agent_{i}/margin"] == pytest.approx(float(margins[i].detach().mean()), abs=1e-5)
+    if margin_mode == "joint":
+        team = (margins[0] + margins[1]).detach()
+        assert metrics["loss"] == pytest.approx(float(preference_loss(team).mean()), abs=1e-5)
+        assert metrics["accuracy"] == pytest.approx(float((team > 0).float().mean()))
+
+
+def test_madpo_initial_candidates_are_sampled_once_and_carry_the_reference(qwen_bpe, tmp_path):
+    """candidates_from='initial': the whole dataset is answered at step 1 (reward called once per chunk), never
+    again; its log-probs are the reference, so the first step's margins are exactly 0."""
+    reward = CountingReward()
+    trainer = MADPOTrainer(
+        model=qwen_bpe,
+        num_agents=2,
+        train_dataset=DATA,
+        reward_func=reward,
+        args=madpo_args(max_steps=4, output_dir=str(tmp_path), logging_steps=1),
+    )
+    trainer.train()
+    assert reward.calls == 2  # 4 items, 2 per chunk
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["time/generate"] > 0 and all(r["time/generate"] == 0 for r in rows[1:])
+    assert rows[0]["agent_0/margin"] == 0.0 and rows[0]["agent_1/accuracy"] == 0.0
+    assert rows[-1]["accuracy"] > 0.5  # the team now prefers what the task reward prefers
+    assert len(trainer.candidates) == len(DATA)
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert samples[0]["rewards"][0] > samples[0]["rewards"][1]
+
+
+def test_madpo_resumes_with_its_candidates(qwen_bpe, tmp_path):
+    """The initial team's candidates are part of the checkpoint: a resumed run never samples again and ends
+    where the unbroken run ends."""
+    unbroken = MADPOTrainer(
+        model=qwen_bpe,
+        num_agents=2,
+        train_dataset=DATA,
+        reward_func=length_reward,
+        args=madpo_args(max_steps=4),
+    )
+    expected = unbroken.train()
+    first = MADPOTrainer(
+        model=qwen_bpe,
+        num_agents=2,
+        train_dataset=DATA,
+        reward_func=length_reward,
+        args=madpo_args(max_steps=2, save_steps=2, output_dir=str(tmp_path)),
+    )
+    first.train()
+    reward = CountingReward()
+    resumed = MADPOTrainer(
+        model=qwen_bpe,
+        num_agents=2,
+        train_dataset=DATA,
+        reward_func=reward,
+        args=madpo_args(max_steps=4, output_dir=str(tmp_path)),
+    )
+    metrics = resumed.train(resume_from_checkpoint=True)
+    assert reward.calls == 0
+    for a, b in zip(unbroken.team, resumed.team):
+        assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))
+    assert metrics["loss"] == expected["loss"]
+
+
+@pytest.fixture(scope="module")
+def demo_team(tmp_path_factory):
+    return [str(p) for p in demo.build_team(tmp_path_factory.mktemp("pref") / "models")]
+
+
+def _demo_args(cls, **kw):
+    base = dict(
+        prompts_per_step=6,
+        max_new_tokens=3,
+        learning_rate=1e-3,
+        reward_call="batched",
+        success_threshold=1.0,
+        seed=0,
+        progress_bar=False,
+        num_train_epochs=1000,
+    )
+    base.update(kw)
+    return cls(**base)
+
+
+@pytest.mark.slow
+def test_online_madpo_learns_to_coordinate(demo_team):
+    """Online MADPO on the demo game: greedy joint success from 0 to >= 0.9 on all 36 items in 200 steps."""
+    trainer = demo.demo_trainer(
+        MADPOTrainer,
+        demo_team,
+        _demo_args(MADPOConfig, max_steps=200, num_generations=12, candidates_from="current", dpo_beta=0.5),
+    )
+    assert trainer.evaluate()["eval/success"] == 0.0
+    trainer.train()
+    assert trainer.evaluate()["eval/success"] >= 0.9
+
+
+def test_offline_madpo_improves_on_the_initial_teams_answers(demo_team):
+    """CoMLRL's MADPO (candidates from the initial team only): the answers rise from no reward to naming open
+    places (greedy reward >= 0.3) in 60 steps; coordination itself is rarely among the initial candidates."""
+    trainer = demo.demo_trainer(
+        MADPOTrainer, demo_team, _demo_args(MADPOConfig, max_steps=60, num_generations=12)
+    )
+    assert trainer.evaluate()["eval/reward"] == 0.0
+    trainer.train()
+    assert trainer.evaluate()["eval/reward"] >= 0.3
+
+
+# ---------------------------------------------------------------------------- MARLHF
+
+
+def test_reward_model_env_scores_with_the_model_and_keeps_the_task_reward(qwen_bpe):
+    trainer = MARLHFTrainer(
+        model=qwen_bpe,
+        num_agents=2,
+        train_dataset=DATA,
+        reward_func=length_reward,
+        args=MARLHFConfig(prompts_per_step=2, num_generations=2, max_new_tokens=4, progress_bar=False),
+    )
+    env = trainer.env
+    assert isinstance(env, RewardModelEnv) and trainer.task_env is env.task_env
+    with torch.no_grad():
+        trainer.reward_model.head.linear.bias.fill_(0.0)
+        trainer.reward_model.head.linear.weight.normal_()
+    episode = copy.copy(env)  # as the rollout does: one copy per episode
+    observations = episode.reset(DATA[0])
+    results = env.step_many([episode], [[["abc", "d"], ["a", "bcdef"]]])[0]
+    texts = [joint_observation(observations, ["abc", "d"]), joint_observation(observations, ["a", "bcdef"])]
+    scores = reward_scores(trainer.reward_model, texts).tolist()
+    for result, score, task in zip(results, scores, length_reward(["abc", "a"], ["d", "bcdef"])):
+        assert result.rewards == [pytest.approx(score)] * 2
+        assert result.components["task"] == pytest.approx(task)
+        assert result.components["length_reward"] == pytest.approx(task)
+    assert scores[0] != scores[1]
+
+
+def test_marlhf_saves_a_reward_model_that_reloads(qwen_bpe, tmp_path):
+    """Stage 1 fits the model on the team's pairs; reward_model/ reloads with fit_reward_model=False and scores
+    the same."""
+    settings = dict(
+        prompts_per_step=2,
+        num_generations=2,
+        max_new_tokens=4,
+        max_steps=1,
+        progress_bar=False,
+        reward_call="batched",
+        preference_num_candidates=4,
+        reward_learning_rate=1e-3,
+        reward_num_train_epochs=3,
+    )
+    trainer = MARLHFTrainer(
+        model=qwen_bpe,
+        num_agents=2,
+        train_dataset=DATA,
+        reward_func=length_reward,
+        args=MARLHFConfig(**settings, output_dir=str(tmp_path)),
+    )
+    metrics = trainer.train()
+    assert metrics["reward_model/pairs"] >= 8
+    assert metrics["reward_model/accuracy"] > 0.5
+    assert "reward/task" in metrics
+    saved = tmp_path / "agents" / "reward_model"
+    assert (saved / "value_head.pt").exists()
+    again = MARLHFTrainer(
+        model=qwen_bpe,
+        num_agents=2,
+        train_dataset=DATA,
+        reward_func=length_reward,
+        args=MARLHFConfig(**settings, reward_model=str(saved), fit_reward_model=False),
+    )
+    assert again.reward_model_fitted
+    texts = [joint_observation(["x", "y"], ["abc", "d"]), joint_observation(["x", "y"], ["a", "bcdef"])]
+    assert torch.allclose(
+        reward_scores(again.reward_model, texts), reward_scores(trainer.reward_model, texts)
+    )
+
+
+@pytest.mark.slow
+def test_marlhf_raises_the_task_reward_through_the_learned_reward(demo_team, tmp_path):
+    """The reward model learns the initial team's preferences (accuracy >= 0.8 on its pairs) and MAGRPO on its
+    scores lifts the task reward the team never sees, from ~0.06 to >= 0.2 (mean of steps 41-60)."""
+    trainer = demo.demo_trainer(
+        MARLHFTrainer,
+        demo_team,
+        _demo_args(
+            MARLHFConfig,
+            max_steps=60,
+            num_generations=12,
+            preference_num_candidates=16,
+            reward_learning_rate=3e-4,
+            reward_num_train_epochs=5,
+            output_dir=str(tmp_path),
+        ),
+    )
+    trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert rows[0]["reward_model/accuracy"] >= 0.8
+    task = [r["reward/task"] for r in rows if "reward/task" in r]
+    assert task[0] < 0.1
+    assert sum(task[40:]) / len(task[40:]) >= 0.2
+
+
+# ---------------------------------------------------------------------------- config errors
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"beta": 0.1}, "beta=0.1: MADPO's pull towards the reference is dpo_beta; set beta=0"),
+        ({"num_generations": 1}, "MADPO: 1 candidates per prompt cannot form a preference pair"),
+        ({"num_turns": 2}, "num_turns=2: MADPO compares whole single-turn joint answers"),
+        (
+            {"joint_mode": "cross"},
+            "joint_mode='cross': MADPO's joint candidate k is every agent's k-th answer",
+        ),
+        ({"pair_selection": "best"}, "pair_selection='best': choose one of"),
+        ({"dpo_beta": 0.0}, "dpo_beta=0.0: must be > 0"),
+        ({"candidates_from": "past"}, "candidates_from='past': choose one of"),
+        ({"baseline": "group_mean"}, "MADPO learns from preference pairs, not advantages"),
+        ({"preference_pairs_per_sample": 0}, "preference_pairs_per_sample=0: must be an integer >= 1"),
+    ],
+)
+def test_madpo_config_errors(kwargs, message):
+    with pytest.raises(ConfigError, match=message.replace("(", r"\(").replace("[", r"\[")):
+        MADPOConfig(**kwargs)
+
+
+def test_comlrl_preference_spellings_and_marlhf_errors():
+    assert MADPOConfig(preference_num_candidates=6).num_generations == 6
+    with pytest.raises(ConfigError, match="MARLHF does not run agent-parallel yet"):
+        MARLHFConfig(agent_parallel=True)
+    with pytest.raises(ConfigError, match="reward_refit_steps=-1: must be an integer >= 0"):
+        MARLHFConfig(reward_refit_steps=-1)
+    with pytest.raises(ConfigError, match="MARLHF: 1 candidates per prompt"):
+        MARLHFConfig(preference_num_candidates=1)
+
+
+def test_marlhf_resumes_with_its_reward_model(qwen_bpe, tmp_path):
+    """The reward model, its optimizer and whether it is fitted are in the checkpoint: resumed at step 2 with a
+    refit at step 3, the run ends where the unbroken run ends."""
+
+    def trainer(max_steps, **kw):
+        args = MARLHFConfig(
+            prompts_per_step=2,
+            num_generations=2,
+            max_new_tokens=4,
+            max_steps=max_steps,
+            progress_bar=False,
+            reward_call="batched",
+            preference_num_candidates=3,
+            reward_learning_rate=1e-3,
+            reward_refit_steps=2,
+            learning_rate=1e-3,
+            seed=4,
+            **kw,
+        )
+        return MARLHFTrainer(
+            model=qwen_bpe, num_agents=2, train_dataset=DATA, reward_func=length_reward, args=args
+        )
+
+    unbroken = trainer(4)
+    expected = unbroken.train()
+    trainer(2, save_steps=2, output_dir=str(tmp_path)).train()
+    resumed = trainer(4, output_dir=str(tmp_path))
+    metrics = resumed.train(resume_from_checkpoint=True)
+    rows = {r["step"]: r for r in map(json.loads, (tmp_path / "metrics.jsonl").read_text().splitlines())}
+    assert (
+        "reward_model/loss" in rows[1]
+        and "reward_model/loss" in rows[3]
+        and "reward_model/loss" not in rows[4]
+    )
+    for a, b in zip(unbroken.team, resumed.team):
+        assert all(torch.equal(x, y) for x, y in zip(a.model.parameters(), b.model.parameters()))
+    for x, y in zip(unbroken.reward_model.parameters(), resumed.reward_model.parameters()):
+        assert torch.equal(x, y)
+    assert metrics["reward"] == expected["reward"]
+
+
+@pytest.mark.parametrize("trainer", ["madpo", "marlhf"])
+def test_cli_trains_preference_methods_from_yaml(tmp_path, capsys, trainer):
+    from comarl.cli import main
+    from comarl.config import config_class, config_help
+
+    assert all(config_help(config_class(trainer)).values())  # a help line per field
+    spec = tmp_path / "run.yaml"
+    spec.write_text(
+        f"trainer: {trainer}\ntask: demo\nargs:\n  max_steps: 1\n  progress_bar: false\n  prompts_per_step: 2\n"
+        "  num_generations: 4\n  reward_call: batched\n  success_threshold: 1.0\n"
+        + (
+            "  preference_num_candidates: 2\n  preference_pairs_per_sample: 1\n"
+            if trainer == "marlhf"
+            else ""
+        )
+    )
+    out = tmp_path / "out"
+    assert main(["train", str(spec), "--set", f"output_dir={out}"]) == 0
+    printed = json.loads(capsys.readouterr().out)
+    assert "eval/success" in printed
+    if trainer == "marlhf":
+        assert (
+            "reward_model/accuracy" in printed
+            and (out / "agents" / "reward_model" / "value_head.pt").is_file()
+        )
+    else:
+        assert "pairs" in printed and (out / "agents" / "agent_1").is_dir()
