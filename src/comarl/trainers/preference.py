@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import copy
 import math
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -59,13 +60,13 @@ class MADPOTrainer(MAGRPOTrainer):
                 _reference(x.model) if i in self.local else None for i, x in enumerate(self.team)
             ]
         self.pair_generator = torch.Generator().manual_seed(a.seed + 3)
-        # candidates_from="initial": per dataset item, what the initial team answered (see _initial_candidates).
+        # candidates_from="initial": per dataset item, what the initial team answered (see _initial_candidates),
+        # and the dataset indices of the current step (set by _batches) to look them up.
         self.candidates: list[dict[str, Any]] | None = None
+        self._step_indices: list[int] = []
 
     # ------------------------------------------------------------------ one training step
     def training_step(self, items: Sequence[Any]) -> tuple[dict[str, float], list[dict[str, Any]]]:
-        import time
-
         args, K = self.args, self.args.num_generations
         t0 = time.perf_counter()
         metrics: dict[str, float] = {}
@@ -118,20 +119,23 @@ class MADPOTrainer(MAGRPOTrainer):
         # Only rows in some pair are scored; each once, however many pairs it is in.
         rows, where = torch.unique(torch.cat([chosen, rejected]), return_inverse=True)
         win, lose = where[:P], where[P:]
+        ref_logp = {}
+        for i in self.local:
+            if ref is not None and ref[i] is not None:
+                ref_logp[i] = ref[i][rows]
+            elif self.references is not None:
+                ref_logp[i] = self._sequence_logprobs(self.team[i], generations[i], rows, self.references[i])
+            else:
+                ref_logp[i] = torch.zeros(len(rows))
         metrics: dict[str, float] = {}
         for _ in range(args.num_iterations):
             margins, rewards = {}, {}
             for i in self.local:
-                gen = generations[i]
-                logp = self._sequence_logprobs(self.team[i], gen, rows)
-                if ref is not None and ref[i] is not None:
-                    ref_logp = ref[i][rows]
-                elif self.references is not None:
-                    ref_logp = self._sequence_logprobs(self.team[i], gen, rows, self.references[i])
-                else:
-                    ref_logp = torch.zeros_like(logp)
-                margins[i] = dpo_margins(logp[win], logp[lose], ref_logp[win], ref_logp[lose], args.dpo_beta)
-                rewards[i] = args.dpo_beta * (logp - ref_logp)  # DPO's implicit reward of each scored row
+                logp = self._sequence_logprobs(self.team[i], generations[i], rows)
+                margins[i] = dpo_margins(
+                    logp[win], logp[lose], ref_logp[i][win], ref_logp[i][lose], args.dpo_beta
+                )
+                rewards[i] = args.dpo_beta * (logp - ref_logp[i])  # DPO's implicit reward of each scored row
             if args.dpo_margin == "joint":  # every agent's margin, from whichever process trains it
                 margins = self._merged(margins)
                 team = torch.stack([margins[j] for j in sorted(margins)]).sum(dim=0)
