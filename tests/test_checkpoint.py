@@ -61,6 +61,7 @@ def _weights(trainer):
         ("MAGRPO", {"beta": 0.05, "lr_scheduler_type": "cosine", "warmup_steps": 1}),
         ("IPPO", {"num_iterations": 2, "num_mini_batches": 2}),
         ("MAGRPO", {"lora_r": 4, "beta": 0.05}),  # LoRA adapters, the reference = adapters off
+        ("MAGRPO", {"lora_r": 4, "lora_shared_base": True}),  # one base, an adapter per agent
         ("MADPO", {"candidates_from": "current", "pair_selection": "random"}),  # + the pair stream
     ],
 )

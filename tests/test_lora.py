@@ -95,3 +95,77 @@ def test_lora_rank_is_checked():
         ConfigError, match=r"lora_r=0: must be an integer >= 1 \(or None for full fine-tuning\)"
     ):
         MAGRPOConfig(lora_r=0)
+
+
+# ---------------------------------------------------------------------------- one base shared by every agent
+
+
+def _lora_weights(agent):
+    return {
+        n.replace(".agent_0.", ".X.")
+        .replace(".agent_1.", ".X.")
+        .replace(".default.", ".X."): p.detach().clone()
+        for n, p in agent.model.named_parameters()
+        if "lora_" in n
+    }
+
+
+@pytest.mark.parametrize("trainer_name", ["MAGRPO", "MADPO", "IPPO"])
+def test_shared_base_team_trains_exactly_like_separate_lora_agents(qwen_bpe, tmp_path, trainer_name):
+    """lora_shared_base: one base in memory, one adapter per agent; every metric, adapter weight and saved agent
+    equals a team of separate LoRA copies (same adapter seeds), with a KL reference (adapters off)."""
+    import comarl
+
+    def run(shared, out=None):
+        extra = {
+            "MAGRPO": {"beta": 0.05},
+            "MADPO": {"candidates_from": "current"},
+            "IPPO": {"num_iterations": 2},  # value heads read the base through the agent's adapter
+        }[trainer_name]
+        args = getattr(comarl, f"{trainer_name}Config")(
+            **lora_args(num_generations=4, lora_shared_base=shared, output_dir=out, seed=7, **extra)
+        )
+        trainer = getattr(comarl, f"{trainer_name}Trainer")(
+            model=qwen_bpe, num_agents=2, train_dataset=DATA, reward_func=length_reward, args=args
+        )
+        return trainer, trainer.train()
+
+    separate, expected = run(False)
+    shared, metrics = run(True, str(tmp_path))
+    base = shared.team[0].model.get_base_model()
+    assert shared.team[1].model.get_base_model() is base  # one copy of the base weights
+    assert separate.team[1].model.get_base_model() is not separate.team[0].model.get_base_model()
+    compared = [k for k in expected if not k.startswith("time/") and k != "completions_per_s"]
+    assert any(k.startswith("agent_1/") for k in compared)
+    for key in compared:
+        assert metrics[key] == expected[key], key
+    for a, b in zip(separate.team, shared.team):
+        mine, theirs = _lora_weights(a), _lora_weights(b)
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+    # the agents differ from each other, and agent 1's saved folder loads as agent 1
+    assert not torch.equal(*[next(iter(_lora_weights(a).values())) for a in shared.team])
+    loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "agents" / "agent_1")
+    ids = shared.team[1].tokenizer(["alice and bob"], return_tensors="pt")["input_ids"]
+    with torch.no_grad():
+        assert torch.allclose(
+            loaded(input_ids=ids).logits, shared.team[1].model(input_ids=ids).logits, atol=1e-5
+        )
+        assert not torch.allclose(
+            loaded(input_ids=ids).logits, shared.team[0].model(input_ids=ids).logits, atol=1e-5
+        )
+
+
+def test_shared_base_errors(qwen_bpe, llama_word):
+    with pytest.raises(
+        ConfigError, match="lora_shared_base=True shares a base between LoRA adapters: set lora_r="
+    ):
+        MAGRPOConfig(lora_shared_base=True)
+    with pytest.raises(ConfigError, match="agent_parallel=True gives every agent its own process"):
+        MAGRPOConfig(lora_r=4, lora_shared_base=True, agent_parallel=True)
+    with pytest.raises(ConfigError, match="lora_shared_base=True: every agent must name the same model"):
+        MAGRPOTrainer(
+            agents=[qwen_bpe, llama_word],
+            train_dataset=DATA,
+            reward_func=length_reward,
+            args=MAGRPOConfig(**lora_args(lora_shared_base=True)),
+        )

@@ -278,17 +278,108 @@ class Team:
         return iter(self.agents)
 
 
+def _lora_config(r: int, alpha: float, target_modules: list[str] | str) -> Any:
+    try:
+        from peft import LoraConfig
+    except ImportError as error:
+        raise ImportError(f"lora_r={r} needs peft: pip install 'comarl[peft]'") from error
+    return LoraConfig(
+        r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=target_modules, task_type="CAUSAL_LM"
+    )
+
+
 def add_lora(model: Any, r: int, alpha: float, target_modules: list[str] | str) -> Any:
     """``model`` with fresh LoRA adapters (peft); only the adapters train. Adapter dropout is 0, as every
     dropout in RL (the policy that samples must be the policy that is scored)."""
-    try:
-        from peft import LoraConfig, get_peft_model
-    except ImportError as error:
-        raise ImportError(f"lora_r={r} needs peft: pip install 'comarl[peft]'") from error
-    config = LoraConfig(
-        r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules=target_modules, task_type="CAUSAL_LM"
-    )
-    return get_peft_model(model, config)
+    from peft import get_peft_model
+
+    return get_peft_model(model, _lora_config(r, alpha, target_modules))
+
+
+def shared_base_lora(
+    model: Any,
+    names: Sequence[str],
+    r: int,
+    alpha: float,
+    target_modules: list[str] | str,
+    seeds: Sequence[int],
+) -> list[SharedBaseAdapter]:
+    """One peft model over ``model`` with one adapter per name, adapter ``k`` initialised from ``seeds[k]``
+    (as ``add_lora`` on a copy of ``model`` under that seed would); one view per adapter."""
+    from peft import get_peft_model
+
+    config = _lora_config(r, alpha, target_modules)
+    with torch.random.fork_rng():
+        torch.manual_seed(seeds[0])
+        peft_model = get_peft_model(model, config, adapter_name=names[0])
+    for name, seed in zip(names[1:], seeds[1:]):
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            peft_model.add_adapter(name, config)
+    return [SharedBaseAdapter(peft_model, name) for name in names]
+
+
+class SharedBaseAdapter:
+    """One agent's view of a peft model that holds every agent's adapters on one shared base (``lora_shared_base``).
+
+    Calling it (generation, log-probs) first makes its adapter the active one; so do ``parameters()`` and
+    ``get_base_model()`` (a value head's forward), whose ``requires_grad`` flags then name what this agent
+    trains. ``parameters()``, ``state_dict()`` and ``save_pretrained`` are its adapter's alone; everything else is
+    the shared model's. Agents on one device take turns, so switching adapters between them is free.
+    """
+
+    def __init__(self, peft_model: Any, adapter: str) -> None:
+        self.peft_model = peft_model
+        self.adapter = adapter
+
+    def activate(self) -> None:
+        if self.peft_model.active_adapter != self.adapter:
+            self.peft_model.set_adapter(self.adapter)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        self.activate()
+        return self.peft_model(*args, **kwargs)
+
+    def get_base_model(self) -> Any:
+        self.activate()
+        return self.peft_model.get_base_model()
+
+    def named_parameters(self) -> Any:
+        self.activate()
+        marker = f".{self.adapter}."
+        return ((n, p) for n, p in self.peft_model.named_parameters() if marker in n)
+
+    def parameters(self) -> Any:
+        return (p for _, p in self.named_parameters())
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        marker = f".{self.adapter}."
+        return {k: v for k, v in self.peft_model.state_dict().items() if marker in k}
+
+    def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
+        own = self.state_dict()
+        if sorted(state) != sorted(own):
+            raise ValueError(
+                f"SharedBaseAdapter({self.adapter!r}).load_state_dict: the state holds {len(state)} tensors, this "
+                f"adapter has {len(own)}; load a checkpoint of the same team, LoRA settings and lora_shared_base"
+            )
+        self.peft_model.load_state_dict(state, strict=False)
+
+    def save_pretrained(self, path: str | Path) -> None:
+        """This agent's adapter into ``path`` (loadable like any peft adapter folder: base + adapter)."""
+        import shutil
+        import tempfile
+
+        with tempfile.TemporaryDirectory() as tmp:
+            self.peft_model.save_pretrained(tmp, selected_adapters=[self.adapter])
+            Path(path).mkdir(parents=True, exist_ok=True)
+            for file in (Path(tmp) / self.adapter).iterdir():  # peft puts a named adapter in a subfolder
+                shutil.move(str(file), Path(path) / file.name)
+
+    def __getattr__(self, name: str) -> Any:
+        if name in ("peft_model", "adapter"):  # not set yet (copy, unpickling)
+            raise AttributeError(name)
+        return getattr(self.peft_model, name)
 
 
 def has_adapters(model: Any) -> bool:

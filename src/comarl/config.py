@@ -233,6 +233,11 @@ class MAGRPOConfig:
         "Modules that get adapters: 'all-linear' (every linear layer but the LM head) or a list of names.",
         default="all-linear",
     )
+    lora_shared_base: bool = _help(
+        "With lora_r: the agents keep their own adapters on ONE shared copy of the base model (they must name the "
+        "same model and device): memory for one base instead of one per agent. See docs/lora.md.",
+        default=False,
+    )
     gradient_checkpointing: bool = _help(
         "Recompute activations in the backward pass to save memory.", default=False
     )
@@ -365,6 +370,13 @@ class MAGRPOConfig:
         ):
             raise ConfigError(
                 f"lora_r={self.lora_r!r}: must be an integer >= 1 (or None for full fine-tuning)"
+            )
+        if self.lora_shared_base and self.lora_r is None:
+            raise ConfigError("lora_shared_base=True shares a base between LoRA adapters: set lora_r= too")
+        if self.lora_shared_base and self.agent_parallel:
+            raise ConfigError(
+                "lora_shared_base=True keeps one base in one process; agent_parallel=True gives every agent its own "
+                "process (and base): use one of them"
             )
         if self.micro_batch_tokens is not None and (
             not isinstance(self.micro_batch_tokens, int) or self.micro_batch_tokens < 1

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from comarl.agents import Agent, Team, WithoutAdapters, add_lora, has_adapters
+from comarl.agents import Agent, Team, WithoutAdapters, add_lora, has_adapters, shared_base_lora
 from comarl.algorithms import aggregate_loss, clipped_surrogate, group_advantages, kl_k3
 from comarl.config import ConfigError, MAGRPOConfig, MAREINFORCEConfig, MAReMaxConfig, MARLOOConfig
 from comarl.distributed import AgentParallel, RemoteAgent, save_own_model
@@ -139,16 +139,23 @@ class MAGRPOTrainer:
         if self.parallel is not None:
             devices[self.parallel.rank] = self.parallel.device(devices)
         members = list(team.agents) if team is not None else sources
-        self.team = Team(
-            [
-                (
-                    (src if team is not None else _load_agent(src, tokenizer, i, devices[i], model_config))
-                    if i in self.local
-                    else _remote_agent(src, tokenizer, i)
-                )
-                for i, src in enumerate(members)
-            ]
-        )
+        if args.lora_shared_base:
+            self.team = Team(_shared_base_agents(members, tokenizer, devices, model_config, args))
+        else:
+            self.team = Team(
+                [
+                    (
+                        (
+                            src
+                            if team is not None
+                            else _load_agent(src, tokenizer, i, devices[i], model_config)
+                        )
+                        if i in self.local
+                        else _remote_agent(src, tokenizer, i)
+                    )
+                    for i, src in enumerate(members)
+                ]
+            )
         for i in self.local:
             agent = self.team[i]
             if args.lora_r is not None and not has_adapters(agent.model):
@@ -726,6 +733,41 @@ def _load_agent(
         if model_config and key in model_config:
             kwargs[key] = model_config[key]
     return Agent.from_pretrained(source, tok, device=device, model_kwargs=kwargs)
+
+
+def _shared_base_agents(
+    members: Sequence[Any], tokenizer: Any, devices: list[str], model_config: dict[str, Any] | None, args: Any
+) -> list[Agent]:
+    """``lora_shared_base``: the model every member names, loaded once, with one LoRA adapter per agent (adapter i
+    from seed + 100 + i, as a separate LoRA agent's)."""
+    names = {str(m) if isinstance(m, (str, Path)) else None for m in members}
+    if None in names or len(names) != 1:
+        raise ConfigError(
+            "lora_shared_base=True: every agent must name the same model (a hub id or path) so that they can share "
+            f"its weights; got {[m if isinstance(m, (str, Path)) else type(m).__name__ for m in members]}"
+        )
+    if len(set(devices)) != 1:
+        raise ConfigError(
+            f"lora_shared_base=True: the shared base lives on one device; agent_devices={devices}"
+        )
+    first = _load_agent(members[0], tokenizer, 0, devices[0], model_config)
+    views = shared_base_lora(
+        first.model,
+        [f"agent_{i}" for i in range(len(members))],
+        args.lora_r,
+        args.lora_alpha,
+        args.lora_target_modules,
+        [args.seed + 100 + i for i in range(len(members))],
+    )
+    tokenizers = [first.tokenizer]
+    for i in range(1, len(members)):
+        tok = tokenizer[i] if isinstance(tokenizer, (list, tuple)) else copy.deepcopy(first.tokenizer)
+        if isinstance(tok, (str, Path)):
+            from transformers import AutoTokenizer
+
+            tok = AutoTokenizer.from_pretrained(str(tok))
+        tokenizers.append(tok)
+    return [Agent(view, tok, source=first.source) for view, tok in zip(views, tokenizers)]
 
 
 def _remote_agent(source: Any, tokenizer: Any, i: int) -> RemoteAgent:
