@@ -190,3 +190,18 @@ def test_report_to_is_checked():
     with pytest.raises(ConfigError, match=r"report_to=\['tensorboard'\] writes into output_dir/tensorboard"):
         MAGRPOConfig(report_to="tensorboard")
     assert MAGRPOConfig(report_to="none").report_to == []
+
+
+def test_cli_plot_draws_a_run_folder(tmp_path, capsys):
+    from comarl.cli import main
+
+    (tmp_path / "metrics.jsonl").write_text(
+        "\n".join(json.dumps({"step": s, "reward": s / 10, "agent_0/loss": 1 / s}) for s in range(1, 4))
+    )
+    assert main(["plot", str(tmp_path), "--keys", "reward", "agent_0/loss"]) == 0
+    assert capsys.readouterr().out.strip() == str(tmp_path / "plot.png")
+    assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
+    assert main(["plot", str(tmp_path), "--keys", "success"]) == 2
+    assert "comarl plot: none of the keys ['success'] appear in" in capsys.readouterr().err
+    assert main(["plot", str(tmp_path / "nowhere")]) == 2
+    assert "nowhere/metrics.jsonl does not exist" in capsys.readouterr().err

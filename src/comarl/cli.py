@@ -80,6 +80,16 @@ def main(argv: list[str] | None = None) -> int:
         "--json", dest="json_path", default=None, help="also write the result (with samples) here"
     )
 
+    plot = sub.add_parser("plot", help="draw a run's metrics (metrics.jsonl) into a PNG")
+    plot.add_argument("run_dir", help="a run folder with metrics.jsonl")
+    plot.add_argument(
+        "--keys",
+        nargs="+",
+        default=["reward", "success"],
+        help="metrics to draw, one panel each (eval/<key> too)",
+    )
+    plot.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/plot.png)")
+
     bench = sub.add_parser(
         "bench", help="speed benchmark against CoMLRL and TRL (needs a source checkout; installs the peers)"
     )
@@ -97,10 +107,26 @@ def main(argv: list[str] | None = None) -> int:
             return _eval(args)
         if args.command == "bench":
             return _bench(args)
+        if args.command == "plot":
+            return _plot(args)
         return _fields(args.trainer)
     except ConfigError as exc:
         print(f"comarl: error: {exc}", file=sys.stderr)
         return 2
+
+
+def _plot(args: argparse.Namespace) -> int:
+    from comarl.tracking import METRICS_FILE, plot_metrics
+
+    metrics = Path(args.run_dir) / METRICS_FILE
+    if not metrics.is_file():
+        raise ConfigError(f"comarl plot: {metrics} does not exist; give a run folder (output_dir of a run)")
+    try:
+        out = plot_metrics(metrics, args.out or Path(args.run_dir) / "plot.png", args.keys)
+    except ValueError as exc:
+        raise ConfigError(f"comarl plot: {exc}; choose --keys among the metrics the run logged") from exc
+    print(out)
+    return 0
 
 
 def _demo(args: argparse.Namespace) -> int:
