@@ -180,6 +180,17 @@ class MAGRPOConfig:
         default=0.0,
     )
 
+    # --- which agents learn
+    frozen_agents: list[int] = _help(
+        "Indices of agents that act but never update (a fixed partner or opponent); the others learn.",
+        default_factory=list,
+    )
+    alternate_agents_every: int = _help(
+        "k > 0: the learning agents take turns, one at a time for k steps each (agent order), while the others keep "
+        "their weights (less non-stationarity for the learner); 0 = every learning agent updates every step.",
+        default=0,
+    )
+
     # --- evaluation, logging, output
     eval_interval: int = _help(
         "Evaluate every this many steps (0 = only when evaluate() is called).", default=0
@@ -311,7 +322,14 @@ class MAGRPOConfig:
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ConfigError(f"{name}={value!r}: must be an integer >= 1")
-        for name in ("warmup_steps", "eval_interval", "min_new_tokens", "log_completions", "save_steps"):
+        for name in (
+            "warmup_steps",
+            "eval_interval",
+            "min_new_tokens",
+            "log_completions",
+            "save_steps",
+            "alternate_agents_every",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 0:
                 raise ConfigError(f"{name}={value!r}: must be an integer >= 0")
@@ -430,6 +448,15 @@ class MAGRPOConfig:
         if self.num_agents is not None and self.num_agents != num_agents:
             raise ConfigError(
                 f"num_agents={self.num_agents} in the config, but the trainer was given {num_agents} agents"
+            )
+        wrong = [i for i in self.frozen_agents if not isinstance(i, int) or not 0 <= i < num_agents]
+        if wrong:
+            raise ConfigError(
+                f"frozen_agents={self.frozen_agents}: {wrong} are not agent indices 0..{num_agents - 1}"
+            )
+        if len(set(self.frozen_agents)) >= num_agents:
+            raise ConfigError(
+                f"frozen_agents={self.frozen_agents} freezes every agent: leave at least one learning"
             )
         if dataset_size is not None and dataset_size < self.prompts_per_step:
             raise ConfigError(

@@ -146,7 +146,7 @@ class ActorCriticTrainer(MAGRPOTrainer):
             advantages.append(whiten(adv) if args.whiten_advantages else adv)
             value_targets.append(credited.flatten())
 
-        for i in self.local:
+        for i in self.learning_agents():  # a frozen agent's value head (if any) stays as it is too
             old_values = node_values[:, i].repeat_interleave(G)
             stats = self.update_actor(i, rollout.generations[i], advantages[i], value_targets[i], old_values)
             stats["explained_variance"] = explained_variance(old_values, value_targets[i])

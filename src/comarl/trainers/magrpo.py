@@ -180,7 +180,10 @@ class MAGRPOTrainer:
         self.total_steps = args.total_steps(len(train_dataset))
         self.schedulers = [self._schedule(opt) if opt is not None else None for opt in self.optimizers]
         self.references = (
-            [_reference(a.model) if i in self.local else None for i, a in enumerate(self.team)]
+            [
+                _reference(a.model) if i in self.local and i not in args.frozen_agents else None
+                for i, a in enumerate(self.team)
+            ]
             if args.beta > 0
             else None
         )
@@ -280,7 +283,7 @@ class MAGRPOTrainer:
                 turns=rollout.depth,
             ).flatten()
             advantages.append(adv)
-            if i in self.local:
+            if i in self.learning_agents():
                 metrics.update(
                     {
                         f"agent_{i}/{k}": v
@@ -353,6 +356,15 @@ class MAGRPOTrainer:
             "completion_length": num_tokens / M,
             "advantage_abs": float(advantages.abs().mean()),
         }
+
+    def learning_agents(self) -> list[int]:
+        """The agents this process updates at the current step: every agent it trains but the frozen ones, and
+        with ``alternate_agents_every = k`` only the learner whose turn it is (turns of k steps, agent order)."""
+        args = self.args
+        learners = [i for i in range(self.num_agents) if i not in args.frozen_agents]
+        if args.alternate_agents_every:
+            learners = [learners[((self.step - 1) // args.alternate_agents_every) % len(learners)]]
+        return [i for i in learners if i in self.local]
 
     # ------------------------------------------------------------------ evaluation and saving
     @torch.no_grad()

@@ -57,7 +57,8 @@ class MADPOTrainer(MAGRPOTrainer):
         # moment they are sampled; candidates sampled later need a frozen copy (or the agent without adapters).
         if a.dpo_reference == "initial" and a.candidates_from == "current":
             self.references = [
-                _reference(x.model) if i in self.local else None for i, x in enumerate(self.team)
+                _reference(x.model) if i in self.local and i not in a.frozen_agents else None
+                for i, x in enumerate(self.team)
             ]
         self.pair_generator = torch.Generator().manual_seed(a.seed + 3)
         # candidates_from="initial": per dataset item, what the initial team answered (see _initial_candidates),
@@ -119,8 +120,11 @@ class MADPOTrainer(MAGRPOTrainer):
         # Only rows in some pair are scored; each once, however many pairs it is in.
         rows, where = torch.unique(torch.cat([chosen, rejected]), return_inverse=True)
         win, lose = where[:P], where[P:]
+        # A frozen agent is its own initial policy: its margins are 0 against that reference, and it is not scored.
+        fixed = [i for i in self.local if i in args.frozen_agents and args.dpo_reference == "initial"]
+        scored = [i for i in self.local if i not in fixed]
         ref_logp = {}
-        for i in self.local:
+        for i in scored:
             if ref is not None and ref[i] is not None:
                 ref_logp[i] = ref[i][rows]
             elif self.references is not None:
@@ -129,8 +133,9 @@ class MADPOTrainer(MAGRPOTrainer):
                 ref_logp[i] = torch.zeros(len(rows))
         metrics: dict[str, float] = {}
         for _ in range(args.num_iterations):
-            margins, rewards = {}, {}
-            for i in self.local:
+            margins: dict[int, torch.Tensor] = {i: torch.zeros(P) for i in fixed}
+            rewards = {}
+            for i in scored:
                 logp = self._sequence_logprobs(self.team[i], generations[i], rows)
                 margins[i] = dpo_margins(
                     logp[win], logp[lose], ref_logp[i][win], ref_logp[i][lose], args.dpo_beta
@@ -139,7 +144,7 @@ class MADPOTrainer(MAGRPOTrainer):
             if args.dpo_margin == "joint":  # every agent's margin, from whichever process trains it
                 margins = self._merged(margins)
                 team = torch.stack([margins[j] for j in sorted(margins)]).sum(dim=0)
-            for i in self.local:
+            for i in self.learning_agents():  # frozen agents' margins still count in the team's
                 total = team if args.dpo_margin == "joint" else margins[i]
                 # d loss / d m_i per pair, for loss = mean_p -log sigmoid(total_p); m_i moves with
                 # +beta log pi_i(w) and -beta log pi_i(l), so each scored row gets one weight.
