@@ -107,3 +107,60 @@ def test_frozen_and_alternating_agents_are_checked(qwen_bpe):
         )
     with pytest.raises(ConfigError, match="alternate_agents_every=-1: must be an integer >= 0"):
         MAGRPOConfig(alternate_agents_every=-1)
+
+
+# ---------------------------------------------------------------------------- one model in every role
+
+
+@pytest.mark.parametrize("overrides", [{"beta": 0.05, "num_iterations": 2}, {"lora_r": 4}])
+def test_shared_weights_take_one_step_on_the_sum_of_the_roles_losses(qwen_bpe, overrides):
+    """share_weights: one model and optimizer; its gradient is the sum of each role's gradient (each loss
+    normalised over its own completions), computed here by two agents with their own copies of the same weights."""
+    overrides = {**overrides, "max_grad_norm": None}  # compare the raw gradients, before any clipping
+    shared = _trainer("MAGRPO", [qwen_bpe, qwen_bpe], share_weights=True, max_steps=1, **overrides)
+    separate = _trainer("MAGRPO", [qwen_bpe, qwen_bpe], max_steps=1, **overrides)
+    assert shared.team[0].model is shared.team[1].model and shared.optimizers[0] is shared.optimizers[1]
+    # both separate agents start from the shared model's weights (LoRA adapters are seeded per agent)
+    for agent in separate.team:
+        agent.model.load_state_dict(shared.team[0].model.state_dict())
+    rollout = shared._collect(DATA[:2])
+    advantages = {i: torch.randn(8, generator=torch.Generator().manual_seed(i)) for i in range(2)}
+    gens = {i: rollout.generations[i] for i in range(2)}
+
+    def record(trainer, agents):
+        grads, steps = [], []
+        optimizer = trainer.optimizers[agents[0]]
+        params = [p for p in trainer.team[agents[0]].model.parameters() if p.requires_grad]
+
+        def step(*a, **k):
+            grads.append([p.grad.clone() for p in params])
+            steps.append(1)
+
+        optimizer.step = step
+        trainer.update_agents(agents, {i: gens[i] for i in agents}, {i: advantages[i] for i in agents})
+        return grads, steps
+
+    together, steps = record(shared, [0, 1])
+    assert len(steps) == shared.args.num_iterations  # one step per iteration for both roles
+    first, _ = record(separate, [0])
+    second, _ = record(separate, [1])
+    for g, g0, g1 in zip(together[0], first[0], second[0]):
+        assert torch.allclose(g, g0 + g1, atol=1e-6, rtol=1e-4)
+
+
+def test_shared_weights_train_and_are_checked(qwen_bpe, llama_word):
+    trainer = _trainer("MAGRPO", [qwen_bpe, qwen_bpe], share_weights=True, max_steps=2)
+    before = _weights(trainer.team[0])
+    metrics = trainer.train()
+    assert not _same(before, _weights(trainer.team[0])) and trainer.team[0].model is trainer.team[1].model
+    assert metrics["agent_0/grad_norm"] == metrics["agent_1/grad_norm"]  # one step for both
+    with pytest.raises(ConfigError, match="share_weights=True: every agent must name the same model"):
+        _trainer("MAGRPO", [qwen_bpe, llama_word], share_weights=True)
+    with pytest.raises(
+        ConfigError, match="share_weights=True: every agent is the same model, so frozen_agents"
+    ):
+        MAGRPOConfig(share_weights=True, frozen_agents=[1])
+    with pytest.raises(ConfigError, match="the critic trainers keep one model per agent"):
+        comarl.IPPOConfig(share_weights=True)
+    with pytest.raises(ConfigError, match="MADPO keeps one model per agent"):
+        comarl.MADPOConfig(share_weights=True)

@@ -254,18 +254,22 @@ def render_prompt(tokenizer: Any, prompt: Prompt) -> str:
 class Team:
     """The agents that act together; agent ``i`` answers observation ``i``."""
 
-    def __init__(self, agents: Sequence[Agent]) -> None:
+    def __init__(self, agents: Sequence[Agent], share_weights: bool = False) -> None:
         if not agents:
             raise ValueError("Team: give at least one Agent")
         # An agent trained by another process (comarl.distributed.RemoteAgent) has no model here.
         models = [id(getattr(a, "model", a)) for a in agents]
-        for i, m in enumerate(models):
-            if m in models[:i]:
-                j = models.index(m)
-                raise ValueError(
-                    f"Team: agents {j} and {i} are the same model object; give each agent its own copy "
-                    "(copy.deepcopy(model)) — shared weights are not supported yet"
-                )
+        if share_weights:
+            if len(set(models)) != 1:
+                raise ValueError("Team(share_weights=True): every agent must hold the same model object")
+        else:
+            for i, m in enumerate(models):
+                if m in models[:i]:
+                    j = models.index(m)
+                    raise ValueError(
+                        f"Team: agents {j} and {i} are the same model object; give each agent its own copy "
+                        "(copy.deepcopy(model)), or train one model in every role with share_weights=True"
+                    )
         self.agents = list(agents)
 
     def __len__(self) -> int:

@@ -244,6 +244,12 @@ class MAGRPOConfig:
         "Modules that get adapters: 'all-linear' (every linear layer but the LM head) or a list of names.",
         default="all-linear",
     )
+    share_weights: bool = _help(
+        "One model plays every role: the agents (which must name the same model) are one set of weights with one "
+        "optimizer, told apart only by their prompts; each step is one update on the sum of their losses. The "
+        "single-model baseline to compare a team of distinct agents with. MAGRPO family and MARLHF only.",
+        default=False,
+    )
     lora_shared_base: bool = _help(
         "With lora_r: the agents keep their own adapters on ONE shared copy of the base model (they must name the "
         "same model and device): memory for one base instead of one per agent. See docs/lora.md.",
@@ -389,6 +395,21 @@ class MAGRPOConfig:
             raise ConfigError(
                 f"lora_r={self.lora_r!r}: must be an integer >= 1 (or None for full fine-tuning)"
             )
+        if self.share_weights:
+            clash = [
+                name
+                for name, on in (
+                    ("lora_shared_base", self.lora_shared_base),
+                    ("agent_parallel", self.agent_parallel),
+                    ("frozen_agents", bool(self.frozen_agents)),
+                    ("alternate_agents_every", bool(self.alternate_agents_every)),
+                )
+                if on
+            ]
+            if clash:
+                raise ConfigError(
+                    f"share_weights=True: every agent is the same model, so {clash[0]} cannot apply; turn one off"
+                )
         if self.lora_shared_base and self.lora_r is None:
             raise ConfigError("lora_shared_base=True shares a base between LoRA adapters: set lora_r= too")
         if self.lora_shared_base and self.agent_parallel:
@@ -583,6 +604,11 @@ class ActorCriticConfig(MAGRPOConfig):
     )
 
     def validate_advantage(self) -> None:
+        if self.share_weights:
+            raise ConfigError(
+                "share_weights=True is built for the MAGRPO family and MARLHF; the critic trainers keep one model "
+                "per agent"
+            )
         if self.baseline != "critic":
             raise ConfigError(
                 f"baseline={self.baseline!r}: actor-critic trainers use the critic as the baseline; remove baseline= "
@@ -731,6 +757,10 @@ class MADPOConfig(MAGRPOConfig):
         super().__post_init__(*comlrl)
 
     def validate_advantage(self) -> None:
+        if self.share_weights:
+            raise ConfigError(
+                "share_weights=True is built for the MAGRPO family and MARLHF; MADPO keeps one model per agent"
+            )
         if self.baseline != "none" or self.scale != "none":
             raise ConfigError(
                 "MADPO learns from preference pairs, not advantages: remove baseline= and scale="

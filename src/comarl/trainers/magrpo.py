@@ -141,6 +141,14 @@ class MAGRPOTrainer:
         members = list(team.agents) if team is not None else sources
         if args.lora_shared_base:
             self.team = Team(_shared_base_agents(members, tokenizer, devices, model_config, args))
+        elif args.share_weights:
+            first = _load_agent(
+                _one_model(members, devices, "share_weights"), tokenizer, 0, devices[0], model_config
+            )
+            others = [
+                Agent(first.model, _tokenizer(tokenizer, i, first), source=first.source) for i in range(1, n)
+            ]
+            self.team = Team([first, *others], share_weights=True)
         else:
             self.team = Team(
                 [
@@ -165,6 +173,9 @@ class MAGRPOTrainer:
                     agent.model = add_lora(
                         agent.model, args.lora_r, args.lora_alpha, args.lora_target_modules
                     )
+                if args.share_weights:  # one model, one set of adapters for every role
+                    for other in self.team:
+                        other.model = agent.model
             if args.gradient_checkpointing:
                 agent.model.gradient_checkpointing_enable()
             agent.model.train()
@@ -176,17 +187,25 @@ class MAGRPOTrainer:
             if self.parallel is None and n > 1 and len(distinct) == n and "cpu" not in distinct
             else None
         )
-        self.optimizers = [self._optimizer(a) if i in self.local else None for i, a in enumerate(self.team)]
         self.total_steps = args.total_steps(len(train_dataset))
-        self.schedulers = [self._schedule(opt) if opt is not None else None for opt in self.optimizers]
-        self.references = (
-            [
-                _reference(a.model) if i in self.local and i not in args.frozen_agents else None
-                for i, a in enumerate(self.team)
+        if args.share_weights:  # one model: one optimizer, one schedule, one reference, held by every agent
+            optimizer = self._optimizer(self.team[0])
+            self.optimizers = [optimizer] * n
+            self.schedulers = [self._schedule(optimizer)] * n
+            self.references = [_reference(self.team[0].model)] * n if args.beta > 0 else None
+        else:
+            self.optimizers = [
+                self._optimizer(a) if i in self.local else None for i, a in enumerate(self.team)
             ]
-            if args.beta > 0
-            else None
-        )
+            self.schedulers = [self._schedule(opt) if opt is not None else None for opt in self.optimizers]
+            self.references = (
+                [
+                    _reference(a.model) if i in self.local and i not in args.frozen_agents else None
+                    for i, a in enumerate(self.team)
+                ]
+                if args.beta > 0
+                else None
+            )
         self.joint_generator = torch.Generator().manual_seed(args.seed + 1)
         self.step = 0
 
@@ -283,13 +302,15 @@ class MAGRPOTrainer:
                 turns=rollout.depth,
             ).flatten()
             advantages.append(adv)
-            if i in self.learning_agents():
-                metrics.update(
-                    {
-                        f"agent_{i}/{k}": v
-                        for k, v in self.update_agent(i, rollout.generations[i], adv).items()
-                    }
-                )
+        # Agents with their own weights update one by one; agents sharing one model (share_weights) together.
+        learning = self.learning_agents()
+        groups = [learning] if args.share_weights and learning else [[i] for i in learning]
+        for group in groups:
+            updated = self.update_agents(
+                group, {i: rollout.generations[i] for i in group}, {i: advantages[i] for i in group}
+            )
+            for i, stats in updated.items():
+                metrics.update({f"agent_{i}/{k}": v for k, v in stats.items()})
         # every process reports every agent's update metrics
         metrics.update(self._merged({k: v for k, v in metrics.items() if k.startswith("agent_")}))
         t2 = time.perf_counter()
@@ -307,55 +328,84 @@ class MAGRPOTrainer:
 
     def update_agent(self, i: int, gen: Generation, advantages: torch.Tensor) -> dict[str, float]:
         """``num_iterations`` optimizer steps of agent ``i`` on its completions; returns its metrics."""
-        args, agent, optimizer = self.args, self.team[i], self.optimizers[i]
-        device = agent.device
-        advantages = advantages.to(device)
-        M = gen.completion_ids.shape[0]
-        micro = args.micro_batch_rows(M, gen.prompt_ids.shape[1] + gen.completion_ids.shape[1])
-        num_tokens = gen.num_tokens
-        batches = [slice(s, s + micro) for s in range(0, M, micro)]
-        # Behaviour and reference log-probs only when the loss needs them.
-        old = self._logprobs(agent, gen, batches) if args.num_iterations > 1 else None
-        ref = self._logprobs(agent, gen, batches, self.references[i]) if self.references is not None else None
+        return self.update_agents([i], {i: gen}, {i: advantages})[i]
+
+    def update_agents(
+        self, agents: Sequence[int], gens: dict[int, Generation], advantages: dict[int, torch.Tensor]
+    ) -> dict[int, dict[str, float]]:
+        """``num_iterations`` optimizer steps on the sum of the losses of ``agents``, which share one model and
+        optimizer (``share_weights``; a single agent otherwise): every agent's loss is normalised over its own
+        completions, their gradients add up, and the shared weights take one step. Returns each agent's metrics."""
+        args = self.args
+        optimizer, model = self.optimizers[agents[0]], self.team[agents[0]].model
+        prepared = {}
+        for i in agents:
+            agent, gen = self.team[i], gens[i]
+            M = gen.completion_ids.shape[0]
+            micro = args.micro_batch_rows(M, gen.prompt_ids.shape[1] + gen.completion_ids.shape[1])
+            batches = [slice(s, s + micro) for s in range(0, M, micro)]
+            # Behaviour and reference log-probs only when the loss needs them.
+            old = self._logprobs(agent, gen, batches) if args.num_iterations > 1 else None
+            ref = (
+                self._logprobs(agent, gen, batches, self.references[i])
+                if self.references is not None
+                else None
+            )
+            prepared[i] = (batches, old, ref, advantages[i].to(agent.device))
         for _ in range(args.num_iterations):
-            totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0}  # metrics of the last iteration
-            for sl in batches:
-                mask = gen.completion_mask[sl]
-                with self._autocast(device):
-                    logp = agent.completion_logprobs(
-                        gen.prompt_ids[sl],
-                        gen.prompt_mask[sl],
-                        gen.completion_ids[sl],
-                        mask,
-                        args.temperature,
-                    )
-                behaviour = logp.detach() if old is None else old[sl]
-                per_token, clipped = clipped_surrogate(
-                    logp, behaviour, advantages[sl], args.epsilon, args.epsilon_high
-                )
-                if ref is not None:
-                    kl = kl_k3(logp, ref[sl])
-                    per_token = per_token + args.beta * kl
-                    totals["kl"] += float((kl.detach() * mask).sum()) / max(num_tokens, 1)
-                loss = aggregate_loss(
-                    per_token, mask, args.loss_aggregation, M, num_tokens, args.max_new_tokens
-                )
-                loss.backward()
-                totals["loss"] += float(loss.detach())
-                totals["clip_fraction"] += float((clipped * mask).sum()) / max(num_tokens, 1)
-            params = [p for p in agent.model.parameters() if p.requires_grad]
+            totals = {
+                i: self._backward(i, gens[i], *prepared[i]) for i in agents
+            }  # metrics of the last iteration
+            params = [p for p in model.parameters() if p.requires_grad]
             max_norm = args.max_grad_norm if args.max_grad_norm is not None else math.inf
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
             optimizer.step()
-            self.schedulers[i].step()
+            self.schedulers[agents[0]].step()
             optimizer.zero_grad(set_to_none=True)
+        lr = self.schedulers[agents[0]].get_last_lr()[0]
         return {
-            **totals,
-            "grad_norm": grad_norm,
-            "lr": self.schedulers[i].get_last_lr()[0],
-            "completion_length": num_tokens / M,
-            "advantage_abs": float(advantages.abs().mean()),
+            i: {
+                **totals[i],
+                "grad_norm": grad_norm,
+                "lr": lr,
+                "completion_length": gens[i].num_tokens / gens[i].completion_ids.shape[0],
+                "advantage_abs": float(prepared[i][3].abs().mean()),
+            }
+            for i in agents
         }
+
+    def _backward(
+        self,
+        i: int,
+        gen: Generation,
+        batches: list[slice],
+        old: torch.Tensor | None,
+        ref: torch.Tensor | None,
+        advantages: torch.Tensor,
+    ) -> dict[str, float]:
+        """Back-propagate agent ``i``'s clipped policy loss (+ KL), one micro-batch at a time."""
+        args, agent = self.args, self.team[i]
+        M, num_tokens = gen.completion_ids.shape[0], gen.num_tokens
+        totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0}
+        for sl in batches:
+            mask = gen.completion_mask[sl]
+            with self._autocast(agent.device):
+                logp = agent.completion_logprobs(
+                    gen.prompt_ids[sl], gen.prompt_mask[sl], gen.completion_ids[sl], mask, args.temperature
+                )
+            behaviour = logp.detach() if old is None else old[sl]
+            per_token, clipped = clipped_surrogate(
+                logp, behaviour, advantages[sl], args.epsilon, args.epsilon_high
+            )
+            if ref is not None:
+                kl = kl_k3(logp, ref[sl])
+                per_token = per_token + args.beta * kl
+                totals["kl"] += float((kl.detach() * mask).sum()) / max(num_tokens, 1)
+            loss = aggregate_loss(per_token, mask, args.loss_aggregation, M, num_tokens, args.max_new_tokens)
+            loss.backward()
+            totals["loss"] += float(loss.detach())
+            totals["clip_fraction"] += float((clipped * mask).sum()) / max(num_tokens, 1)
+        return totals
 
     def learning_agents(self) -> list[int]:
         """The agents this process updates at the current step: every agent it trains but the frozen ones, and
@@ -747,22 +797,36 @@ def _load_agent(
     return Agent.from_pretrained(source, tok, device=device, model_kwargs=kwargs)
 
 
+def _one_model(members: Sequence[Any], devices: list[str], field: str) -> Any:
+    """The model every member names (``lora_shared_base`` / ``share_weights`` need one), on one device."""
+    names = {str(m) if isinstance(m, (str, Path)) else None for m in members}
+    if None in names or len(names) != 1:
+        raise ConfigError(
+            f"{field}=True: every agent must name the same model (a hub id or path) so that they can share its "
+            f"weights; got {[m if isinstance(m, (str, Path)) else type(m).__name__ for m in members]}"
+        )
+    if len(set(devices)) != 1:
+        raise ConfigError(f"{field}=True: the shared weights live on one device; agent_devices={devices}")
+    return members[0]
+
+
+def _tokenizer(tokenizer: Any, i: int, first: Agent) -> Any:
+    """Agent ``i``'s tokenizer when the team shares ``first``'s model: its own if given, else a copy of first's."""
+    tok = tokenizer[i] if isinstance(tokenizer, (list, tuple)) else copy.deepcopy(first.tokenizer)
+    if isinstance(tok, (str, Path)):
+        from transformers import AutoTokenizer
+
+        tok = AutoTokenizer.from_pretrained(str(tok))
+    return tok
+
+
 def _shared_base_agents(
     members: Sequence[Any], tokenizer: Any, devices: list[str], model_config: dict[str, Any] | None, args: Any
 ) -> list[Agent]:
     """``lora_shared_base``: the model every member names, loaded once, with one LoRA adapter per agent (adapter i
     from seed + 100 + i, as a separate LoRA agent's)."""
-    names = {str(m) if isinstance(m, (str, Path)) else None for m in members}
-    if None in names or len(names) != 1:
-        raise ConfigError(
-            "lora_shared_base=True: every agent must name the same model (a hub id or path) so that they can share "
-            f"its weights; got {[m if isinstance(m, (str, Path)) else type(m).__name__ for m in members]}"
-        )
-    if len(set(devices)) != 1:
-        raise ConfigError(
-            f"lora_shared_base=True: the shared base lives on one device; agent_devices={devices}"
-        )
-    first = _load_agent(members[0], tokenizer, 0, devices[0], model_config)
+    source = _one_model(members, devices, "lora_shared_base")
+    first = _load_agent(source, tokenizer, 0, devices[0], model_config)
     views = shared_base_lora(
         first.model,
         [f"agent_{i}" for i in range(len(members))],
@@ -771,14 +835,7 @@ def _shared_base_agents(
         args.lora_target_modules,
         [args.seed + 100 + i for i in range(len(members))],
     )
-    tokenizers = [first.tokenizer]
-    for i in range(1, len(members)):
-        tok = tokenizer[i] if isinstance(tokenizer, (list, tuple)) else copy.deepcopy(first.tokenizer)
-        if isinstance(tok, (str, Path)):
-            from transformers import AutoTokenizer
-
-            tok = AutoTokenizer.from_pretrained(str(tok))
-        tokenizers.append(tok)
+    tokenizers = [first.tokenizer] + [_tokenizer(tokenizer, i, first) for i in range(1, len(members))]
     return [Agent(view, tok, source=first.source) for view, tok in zip(views, tokenizers)]
 
 
