@@ -150,7 +150,8 @@ def test_agent_parallel_needs_torchrun(qwen_bpe, monkeypatch):
 
 
 @pytest.mark.slow
-def test_madpo_in_two_processes_exchanges_margins(qwen_bpe, llama_word, tmp_path):
+@pytest.mark.parametrize("candidates_from", ["current", "initial"])
+def test_madpo_in_two_processes_exchanges_margins(qwen_bpe, llama_word, tmp_path, candidates_from):
     """MADPO's joint loss needs every agent's margin: each process computes its own agent's and they are
     exchanged once per iteration. Sampled candidates differ between launches, so the processes are compared
     with each other: the same team loss, and the team margin is the sum of the agents' margins."""
@@ -158,7 +159,7 @@ def test_madpo_in_two_processes_exchanges_margins(qwen_bpe, llama_word, tmp_path
         "MADPO",
         [qwen_bpe, llama_word],
         tmp_path / "run",
-        {"top_k": None, "num_generations": 4, "candidates_from": "current", "save_steps": 2},
+        {"top_k": None, "num_generations": 4, "candidates_from": candidates_from, "save_steps": 2},
     )
     first, second = (r["metrics"] for r in ranks)
     assert first["pairs"] == second["pairs"] > 0
