@@ -1,4 +1,4 @@
-"""One process of the agent-parallel tests (launched by tests/test_distributed.py through torchrun)."""
+"""One process of the agent- and data-parallel tests (launched by tests/test_distributed.py through torchrun)."""
 
 from __future__ import annotations
 
@@ -18,8 +18,9 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     torch.set_num_threads(1)
     name = spec["trainer"]
+    launch = {"data_parallel": True} if spec.get("launch") == "data" else {"agent_parallel": True}
     args = getattr(comarl, f"{name}Config")(
-        **run_args(agent_parallel=True, output_dir=spec["output_dir"], **spec["overrides"])
+        **run_args(**launch, output_dir=spec["output_dir"], **spec["overrides"])
     )
     trainer = getattr(comarl, f"{name}Trainer")(
         agents=spec["agents"], train_dataset=DATA, eval_dataset=DATA, reward_func=two_word_reward, args=args
@@ -31,7 +32,7 @@ def main() -> None:
         "local": trainer.local,
         "torch_seed": torch.initial_seed(),
     }
-    with open(os.path.join(spec["output_dir"], f"rank_{trainer.parallel.rank}.json"), "w") as f:
+    with open(os.path.join(spec["output_dir"], f"rank_{trainer.processes.rank}.json"), "w") as f:
         json.dump(result, f)
 
 

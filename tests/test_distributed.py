@@ -51,10 +51,18 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def _launch(trainer: str, agents: list[str], out: Path, overrides: dict) -> list[dict]:
+def _launch(trainer: str, agents: list[str], out: Path, overrides: dict, launch: str = "agent") -> list[dict]:
     """Run tests/agent_parallel_worker.py in two processes (torchrun, gloo); each writes rank_<r>.json."""
     out.mkdir()
-    spec = json.dumps({"trainer": trainer, "agents": agents, "output_dir": str(out), "overrides": overrides})
+    spec = json.dumps(
+        {
+            "trainer": trainer,
+            "agents": agents,
+            "output_dir": str(out),
+            "overrides": overrides,
+            "launch": launch,
+        }
+    )
     launched = subprocess.run(
         [
             sys.executable,
@@ -169,3 +177,68 @@ def test_madpo_in_two_processes_exchanges_margins(qwen_bpe, llama_word, tmp_path
     assert (
         first["agent_0/margin"] != 0 and first["agent_1/margin"] != 0
     )  # both agents moved off the reference
+
+
+# ---------------------------------------------------------------------------- data parallelism
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    "overrides",
+    [
+        {},
+        {
+            "scale": "batch",
+            "beta": 0.05,
+            "num_iterations": 2,
+            "loss_aggregation": "grpo",
+        },  # batch-wide statistics
+        {"lora_r": 4, "micro_batch_size": 1},
+    ],
+)
+def test_two_data_shards_train_what_one_process_trains(qwen_bpe, llama_word, tmp_path, overrides, one_thread):
+    """data_parallel: each process takes half of every step's prompts; the summed gradients, the metrics of the
+    whole batch and the saved agents equal one process's run on all the prompts."""
+    agents = [qwen_bpe, llama_word]
+    settings = run_args(prompts_per_step=4, max_steps=2, **overrides)
+    single = MAREINFORCETrainer(
+        agents=agents,
+        train_dataset=DATA,
+        eval_dataset=DATA,
+        reward_func=two_word_reward,
+        args=MAREINFORCEConfig(**settings),
+    )
+    expected = single.train()
+    out = tmp_path / "run"
+    ranks = _launch("MAREINFORCE", agents, out, {"prompts_per_step": 4, **overrides, "save_steps": 2}, "data")
+    compared = [k for k in expected if not k.startswith("time/") and k != "completions_per_s"]
+    for r in ranks:
+        for key in compared:
+            assert r["metrics"][key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
+    for i, agent in enumerate(single.team):
+        loaded = AutoModelForCausalLM.from_pretrained(out / "agents" / f"agent_{i}")
+        ids = agent.tokenizer(["alice and bob", "def add(a, b):"], return_tensors="pt", padding=True)
+        with torch.no_grad():
+            assert torch.allclose(loaded(**ids).logits, agent.model(**ids).logits, atol=1e-5), i
+    checkpoint = out / "checkpoints" / "step_2"
+    assert sorted(p.name for p in checkpoint.iterdir()) == [
+        "process_0.pt",
+        "process_1.pt",
+        "trainer_state.json",
+    ]
+
+
+def test_data_parallel_checks(qwen_bpe, monkeypatch):
+    with pytest.raises(ConfigError, match="data_parallel=True and agent_parallel=True: choose one"):
+        MAREINFORCEConfig(data_parallel=True, agent_parallel=True)
+    with pytest.raises(ConfigError, match="data_parallel=True is built for the MAGRPO family"):
+        comarl.IPPOConfig(data_parallel=True)
+    monkeypatch.delenv("RANK", raising=False)
+    with pytest.raises(ConfigError, match="data_parallel=True needs its processes: launch with `torchrun"):
+        MAREINFORCETrainer(
+            model=qwen_bpe,
+            num_agents=2,
+            train_dataset=DATA,
+            reward_func=two_word_reward,
+            args=MAREINFORCEConfig(**run_args(data_parallel=True)),
+        )

@@ -70,7 +70,7 @@ def set_rng_state(state: dict[str, Any]) -> None:
 
 def save_checkpoint(trainer: Any, output_dir: str | Path, keep: int) -> Path:
     """Write ``trainer``'s state for its current step; keep the newest ``keep`` checkpoints. Returns the folder."""
-    parallel = trainer.parallel
+    parallel = trainer.processes
     rank = 0 if parallel is None else parallel.rank
     directory = checkpoint_dir(output_dir, trainer.step)
     directory.mkdir(parents=True, exist_ok=True)
@@ -106,7 +106,7 @@ def load_checkpoint(trainer: Any, directory: str | Path) -> int:
             f"resume_from_checkpoint={str(directory)!r}: no {STATE_FILE} there (not a finished checkpoint)"
         )
     state = json.loads(state_path.read_text())
-    parallel = trainer.parallel
+    parallel = trainer.processes
     processes = 1 if parallel is None else parallel.world_size
     expected = {"trainer": type(trainer).__name__, "num_agents": trainer.num_agents, "processes": processes}
     for key, value in expected.items():

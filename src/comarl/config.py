@@ -229,6 +229,12 @@ class MAGRPOConfig:
         "generate and update concurrently. Launch with torchrun --nproc-per-node=num_agents. See docs/distributed.md.",
         default=False,
     )
+    data_parallel: bool = _help(
+        "One process per data shard under torchrun: every process holds the whole team and takes prompts_per_step / "
+        "world size of each step's prompts; gradients are summed across processes, so a step equals one process's "
+        "step on all the prompts. MAGRPO family. See docs/distributed.md.",
+        default=False,
+    )
     bf16: bool = _help(
         "bf16 autocast for forward passes on GPU; weights and AdamW states stay fp32.", default=False
     )
@@ -394,6 +400,10 @@ class MAGRPOConfig:
         ):
             raise ConfigError(
                 f"lora_r={self.lora_r!r}: must be an integer >= 1 (or None for full fine-tuning)"
+            )
+        if self.data_parallel and self.agent_parallel:
+            raise ConfigError(
+                "data_parallel=True and agent_parallel=True: choose one (a process per data shard, or per agent)"
             )
         if self.share_weights:
             clash = [
@@ -609,6 +619,10 @@ class ActorCriticConfig(MAGRPOConfig):
                 "share_weights=True is built for the MAGRPO family and MARLHF; the critic trainers keep one model "
                 "per agent"
             )
+        if self.data_parallel:
+            raise ConfigError(
+                "data_parallel=True is built for the MAGRPO family; the critic trainers: not yet"
+            )
         if self.baseline != "critic":
             raise ConfigError(
                 f"baseline={self.baseline!r}: actor-critic trainers use the critic as the baseline; remove baseline= "
@@ -761,6 +775,8 @@ class MADPOConfig(MAGRPOConfig):
             raise ConfigError(
                 "share_weights=True is built for the MAGRPO family and MARLHF; MADPO keeps one model per agent"
             )
+        if self.data_parallel:
+            raise ConfigError("data_parallel=True is built for the MAGRPO family; MADPO: not yet")
         if self.baseline != "none" or self.scale != "none":
             raise ConfigError(
                 "MADPO learns from preference pairs, not advantages: remove baseline= and scale="
@@ -836,6 +852,8 @@ class MARLHFConfig(MAGRPOConfig):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r}: must be an integer >= 1")
+        if self.data_parallel:
+            raise ConfigError("data_parallel=True is built for the MAGRPO family; MARLHF: not yet")
         if self.agent_parallel:
             raise ConfigError(
                 "MARLHF does not run agent-parallel yet (the reward model is trained in one process); "

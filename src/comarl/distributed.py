@@ -40,24 +40,30 @@ class RemoteAgent:
     learning_rate: float | None = None
 
 
-class AgentParallel:
+class _Processes:
+    """What every launch mode shares: this process's rank, the world size, object gathers and barriers."""
+
+    rank: int
+    world_size: int
+    _dist: Any
+
+    def gather(self, obj: Any) -> list[Any]:
+        """``obj`` of every rank, in rank order."""
+        out: list[Any] = [None] * self.world_size
+        self._dist.all_gather_object(out, obj)
+        return out
+
+    def barrier(self) -> None:
+        self._dist.barrier()
+
+
+class AgentParallel(_Processes):
     """This process's place in a team run with one process per agent (``rank`` = the agent it trains)."""
 
     def __init__(self, num_agents: int) -> None:
-        import torch.distributed as dist
-
-        if not dist.is_initialized():
-            if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
-                raise ConfigError(
-                    "agent_parallel=True needs one process per agent: launch with "
-                    f"`torchrun --nproc-per-node={num_agents} ...` (or initialise torch.distributed yourself)"
-                )
-            backend = _backend(int(os.environ["WORLD_SIZE"]))
-            if backend == "nccl":  # NCCL's object gathers stage through the current device: one GPU per rank
-                torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
-            dist.init_process_group(backend=backend)
-            # A group left open hangs the interpreter's exit (gloo); the group we opened we also close.
-            atexit.register(dist.destroy_process_group)
+        dist = _process_group(
+            f"agent_parallel=True needs one process per agent: launch with `torchrun --nproc-per-node={num_agents} ...`"
+        )
         if dist.get_world_size() != num_agents:
             raise ConfigError(
                 f"agent_parallel=True: the world has {dist.get_world_size()} processes for {num_agents} agents; "
@@ -88,12 +94,6 @@ class AgentParallel:
         gathered[self.rank] = own
         return gathered
 
-    def gather(self, obj: Any) -> list[Any]:
-        """``obj`` of every rank, in rank order."""
-        out: list[Any] = [None] * self.world_size
-        self._dist.all_gather_object(out, obj)
-        return out
-
     def check_same(self, what: str, obj: Any) -> None:
         """Stop with a clear error when ranks hold different ``obj`` (e.g. rewards of a non-deterministic env)."""
         digest = hashlib.sha256(pickle.dumps(obj)).hexdigest()
@@ -104,8 +104,63 @@ class AgentParallel:
                 "and reward must be deterministic given the joint actions, since every process steps its own copy"
             )
 
-    def barrier(self) -> None:
-        self._dist.barrier()
+
+class DataParallel(_Processes):
+    """Data parallelism: every process holds the whole team and takes its shard of each step's prompts.
+
+    Each process generates, plays and scores its shard; advantages come from every process's returns
+    (so batch-wide statistics stay batch-wide); the loss is normalised over the whole batch and the
+    gradients are summed across processes before each optimizer step, so the step equals one process's
+    step on all the prompts, and the weights stay identical everywhere.
+    """
+
+    def __init__(self) -> None:
+        dist = _process_group(
+            "data_parallel=True needs its processes: launch with `torchrun --nproc-per-node=N ...`"
+        )
+        self.rank = dist.get_rank()
+        self.world_size = dist.get_world_size()
+        self._dist = dist
+
+    def device(self, devices: Sequence[str]) -> list[str]:
+        """This process's copy of the team on its own GPU (``cuda:LOCAL_RANK``) when the agents are on GPUs."""
+        local = int(os.environ.get("LOCAL_RANK", self.rank))
+        return [f"cuda:{local}" if str(d).startswith("cuda") else d for d in devices]
+
+    def shard(self, items: Sequence[Any]) -> list[Any]:
+        """This process's contiguous share of ``items`` (their count is a multiple of the world size)."""
+        size = len(items) // self.world_size
+        return list(items[self.rank * size : (self.rank + 1) * size])
+
+    def sum(self, value: float) -> float:
+        """``value`` summed over the processes."""
+        return float(sum(self.gather(float(value))))
+
+    def all_reduce_grads(self, params: Sequence[torch.Tensor]) -> None:
+        """Sum every parameter's gradient over the processes, in one flat buffer (one collective per call)."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self._dist.all_reduce(flat)
+        offset = 0
+        for p, g in zip(params, grads):
+            p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
+            offset += g.numel()
+
+
+def _process_group(launch_hint: str) -> Any:
+    """``torch.distributed``, with the default process group initialised from torchrun's environment."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
+            raise ConfigError(f"{launch_hint} (or initialise torch.distributed yourself)")
+        backend = _backend(int(os.environ["WORLD_SIZE"]))
+        if backend == "nccl":  # NCCL's object gathers stage through the current device: one GPU per rank
+            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+        dist.init_process_group(backend=backend)
+        # A group left open hangs the interpreter's exit (gloo); the group we opened we also close.
+        atexit.register(dist.destroy_process_group)
+    return dist
 
 
 def _backend(world_size: int) -> str:

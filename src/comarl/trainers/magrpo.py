@@ -28,7 +28,7 @@ import torch
 from comarl.agents import Agent, Team, WithoutAdapters, add_lora, has_adapters, shared_base_lora
 from comarl.algorithms import aggregate_loss, clipped_surrogate, group_advantages, kl_k3
 from comarl.config import ConfigError, MAGRPOConfig, MAREINFORCEConfig, MAReMaxConfig, MARLOOConfig
-from comarl.distributed import AgentParallel, RemoteAgent, save_own_model
+from comarl.distributed import AgentParallel, DataParallel, RemoteAgent, save_own_model
 from comarl.engines import Generation, HFEngine, SamplingParams
 from comarl.envs import Env, FunctionEnv, comlrl_transition
 from comarl.rollout import Rollout, collect, greedy_returns
@@ -138,6 +138,19 @@ class MAGRPOTrainer:
             torch.manual_seed(args.seed + self.parallel.rank)
         if self.parallel is not None:
             devices[self.parallel.rank] = self.parallel.device(devices)
+        # Data parallelism: every process holds the whole team and takes a shard of each step's prompts.
+        self.data = DataParallel() if args.data_parallel else None
+        if self.data is not None:
+            if args.prompts_per_step % self.data.world_size:
+                raise ConfigError(
+                    f"data_parallel=True: prompts_per_step={args.prompts_per_step} must be a multiple of the "
+                    f"{self.data.world_size} processes (each takes an equal shard)"
+                )
+            if self.data.rank > 0:  # each shard samples its own completions
+                torch.manual_seed(args.seed + self.data.rank)
+            devices = self.data.device(devices)
+        # The processes of this run (either launch mode), for the run folder and checkpoints.
+        self.processes = self.parallel or self.data
         members = list(team.agents) if team is not None else sources
         if args.lora_shared_base:
             self.team = Team(_shared_base_agents(members, tokenizer, devices, model_config, args))
@@ -224,7 +237,7 @@ class MAGRPOTrainer:
         args = self.args
         run_dir = Path(args.output_dir) if args.output_dir else None
         # Under agent parallelism every process trains and evaluates; process 0 logs and writes the run folder.
-        writer = self.parallel is None or self.parallel.rank == 0
+        writer = self.processes is None or self.processes.rank == 0
         if resume_from_checkpoint is True:
             found = completed_checkpoints(run_dir) if run_dir is not None else []
             if not found:
@@ -291,17 +304,11 @@ class MAGRPOTrainer:
             generate_seconds += seconds
             greedy = [baselines[:, i] for i in range(self.num_agents)]
         t1 = time.perf_counter()
-        metrics = rollout_metrics(rollout)
-        advantages = []
-        for i in range(self.num_agents):
-            adv = group_advantages(
-                rollout.returns[i],
-                args.baseline,
-                args.scale,
-                None if greedy is None else greedy[i],
-                turns=rollout.depth,
-            ).flatten()
-            advantages.append(adv)
+        metrics = rollout_metrics(rollout, self.data)
+        advantages = [
+            self._advantages(rollout.returns[i], None if greedy is None else greedy[i], rollout.depth)
+            for i in range(self.num_agents)
+        ]
         # Agents with their own weights update one by one; agents sharing one model (share_weights) together.
         learning = self.learning_agents()
         groups = [learning] if args.share_weights and learning else [[i] for i in learning]
@@ -326,6 +333,26 @@ class MAGRPOTrainer:
         )
         return metrics, self._samples(items, rollout, advantages)
 
+    def _advantages(
+        self, returns: torch.Tensor, greedy: torch.Tensor | None, depth: torch.Tensor
+    ) -> torch.Tensor:
+        """One agent's advantages per completion (flat). Under data parallelism they are computed on every
+        process's returns, so batch-wide statistics (``scale="batch"`` / ``"turn"``) stay batch-wide, and this
+        process keeps its own rows."""
+        args = self.args
+        if self.data is None:
+            return group_advantages(returns, args.baseline, args.scale, greedy, turns=depth).flatten()
+        parts = self.data.gather((returns, greedy, depth))
+        everything = group_advantages(
+            torch.cat([p[0] for p in parts]),
+            args.baseline,
+            args.scale,
+            None if greedy is None else torch.cat([p[1] for p in parts]),
+            turns=torch.cat([p[2] for p in parts]),
+        ).flatten()
+        start = sum(p[0].numel() for p in parts[: self.data.rank])
+        return everything[start : start + returns.numel()]
+
     def update_agent(self, i: int, gen: Generation, advantages: torch.Tensor) -> dict[str, float]:
         """``num_iterations`` optimizer steps of agent ``i`` on its completions; returns its metrics."""
         return self.update_agents([i], {i: gen}, {i: advantages})[i]
@@ -338,7 +365,7 @@ class MAGRPOTrainer:
         completions, their gradients add up, and the shared weights take one step. Returns each agent's metrics."""
         args = self.args
         optimizer, model = self.optimizers[agents[0]], self.team[agents[0]].model
-        prepared = {}
+        prepared, sizes = {}, {}
         for i in agents:
             agent, gen = self.team[i], gens[i]
             M = gen.completion_ids.shape[0]
@@ -346,30 +373,34 @@ class MAGRPOTrainer:
             batches = [slice(s, s + micro) for s in range(0, M, micro)]
             # Behaviour and reference log-probs only when the loss needs them.
             old = self._logprobs(agent, gen, batches) if args.num_iterations > 1 else None
-            ref = (
-                self._logprobs(agent, gen, batches, self.references[i])
-                if self.references is not None
-                else None
-            )
-            prepared[i] = (batches, old, ref, advantages[i].to(agent.device))
+            refs = self.references
+            ref = self._logprobs(agent, gen, batches, refs[i]) if refs is not None else None
+            adv = advantages[i].to(agent.device)
+            # The loss is normalised over the whole batch: every process's completions under data parallelism.
+            size = (M, gen.num_tokens, float(adv.abs().sum()))
+            sizes[i] = size if self.data is None else tuple(map(sum, zip(*self.data.gather(size))))
+            prepared[i] = (batches, old, ref, adv, sizes[i][0], sizes[i][1])
         for _ in range(args.num_iterations):
-            totals = {
-                i: self._backward(i, gens[i], *prepared[i]) for i in agents
-            }  # metrics of the last iteration
+            # metrics of the last iteration
+            totals = {i: self._backward(i, gens[i], *prepared[i]) for i in agents}
             params = [p for p in model.parameters() if p.requires_grad]
+            if self.data is not None:  # the batch's gradient: the sum of every process's part
+                self.data.all_reduce_grads(params)
             max_norm = args.max_grad_norm if args.max_grad_norm is not None else math.inf
             grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
             optimizer.step()
             self.schedulers[agents[0]].step()
             optimizer.zero_grad(set_to_none=True)
         lr = self.schedulers[agents[0]].get_last_lr()[0]
+        if self.data is not None:  # each process holds its part of the batch-normalised sums
+            totals = {i: {k: self.data.sum(v) for k, v in t.items()} for i, t in totals.items()}
         return {
             i: {
                 **totals[i],
                 "grad_norm": grad_norm,
                 "lr": lr,
-                "completion_length": gens[i].num_tokens / gens[i].completion_ids.shape[0],
-                "advantage_abs": float(prepared[i][3].abs().mean()),
+                "completion_length": sizes[i][1] / sizes[i][0],
+                "advantage_abs": sizes[i][2] / sizes[i][0],
             }
             for i in agents
         }
@@ -382,10 +413,12 @@ class MAGRPOTrainer:
         old: torch.Tensor | None,
         ref: torch.Tensor | None,
         advantages: torch.Tensor,
+        M: int,
+        num_tokens: int,
     ) -> dict[str, float]:
-        """Back-propagate agent ``i``'s clipped policy loss (+ KL), one micro-batch at a time."""
+        """Back-propagate agent ``i``'s clipped policy loss (+ KL), one micro-batch at a time; ``M`` completions and
+        ``num_tokens`` tokens in the whole batch are the loss's normalisers."""
         args, agent = self.args, self.team[i]
-        M, num_tokens = gen.completion_ids.shape[0], gen.num_tokens
         totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0}
         for sl in batches:
             mask = gen.completion_mask[sl]
@@ -486,7 +519,10 @@ class MAGRPOTrainer:
         self.joint_generator.set_state(state["joint_generator"])
 
     def save_model(self, output_dir: str | Path) -> None:
-        """Write ``output_dir/agent_{i}/`` per agent, each loadable with ``from_pretrained`` (each process its own)."""
+        """Write ``output_dir/agent_{i}/`` per agent, each loadable with ``from_pretrained`` (each process its own;
+        under data parallelism, where every process holds the same weights, process 0)."""
+        if self.data is not None and self.data.rank != 0:
+            return
         for i in self.local:
             agent = self.team[i]
             path = Path(output_dir) / f"agent_{i}"
@@ -523,7 +559,8 @@ class MAGRPOTrainer:
                 if produced == self.total_steps:
                     return
                 if produced >= self.step:
-                    yield order[s * args.prompts_per_step : (s + 1) * args.prompts_per_step].tolist()
+                    ids = order[s * args.prompts_per_step : (s + 1) * args.prompts_per_step].tolist()
+                    yield ids if self.data is None else self.data.shard(ids)
                 produced += 1
             epoch += 1
 
@@ -705,13 +742,19 @@ def rollout_values(rollout: Rollout) -> dict[str, torch.Tensor]:
     return values
 
 
-def rollout_metrics(rollout: Rollout) -> dict[str, float]:
-    """Team-level training metrics of a rollout (see ``rollout_values``), plus the reward's spread."""
-    values = rollout_values(rollout)
+def rollout_metrics(rollout: Rollout, data: DataParallel | None = None) -> dict[str, float]:
+    """Team-level training metrics of a rollout (see ``rollout_values``), plus the reward's spread; under data
+    parallelism over every process's rollout."""
+    values, depth = rollout_values(rollout), rollout.depth
+    if data is not None:
+        parts = data.gather((values, depth))
+        keys = sorted({k for part, _ in parts for k in part})
+        values = {k: torch.cat([part[k] for part, _ in parts if k in part]) for k in keys}
+        depth = torch.cat([d for _, d in parts])
     metrics = {k: float(v.nanmean()) for k, v in values.items() if v.numel()}
     metrics["reward_std"] = float(values["reward"].std()) if values["reward"].numel() > 1 else 0.0
-    if int(rollout.depth.max()) > 0:
-        metrics["nodes_per_item"] = rollout.depth.numel() / int((rollout.depth == 0).sum())
+    if int(depth.max()) > 0:
+        metrics["nodes_per_item"] = depth.numel() / int((depth == 0).sum())
     return metrics
 
 
