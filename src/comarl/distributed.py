@@ -132,10 +132,6 @@ class DataParallel(_Processes):
         size = len(items) // self.world_size
         return list(items[self.rank * size : (self.rank + 1) * size])
 
-    def sum(self, value: float) -> float:
-        """``value`` summed over the processes."""
-        return float(sum(self.gather(float(value))))
-
     def all_reduce_grads(self, params: Sequence[torch.Tensor]) -> None:
         """Sum every parameter's gradient over the processes, in one flat buffer (one collective per call)."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]

@@ -392,8 +392,9 @@ class MAGRPOTrainer:
             self.schedulers[agents[0]].step()
             optimizer.zero_grad(set_to_none=True)
         lr = self.schedulers[agents[0]].get_last_lr()[0]
-        if self.data is not None:  # each process holds its part of the batch-normalised sums
-            totals = {i: {k: self.data.sum(v) for k, v in t.items()} for i, t in totals.items()}
+        if self.data is not None:  # each process holds its part of the batch-normalised sums: add them up
+            parts = self.data.gather(totals)
+            totals = {i: {k: sum(part[i][k] for part in parts) for k in t} for i, t in totals.items()}
         return {
             i: {
                 **totals[i],
