@@ -25,7 +25,7 @@ def main() -> None:
     trainer = getattr(comarl, f"{name}Trainer")(
         agents=spec["agents"], train_dataset=DATA, eval_dataset=DATA, reward_func=two_word_reward, args=args
     )
-    metrics = trainer.train()
+    metrics = trainer.train(resume_from_checkpoint=True if spec.get("resume") else None)
     result = {
         "metrics": metrics,
         "eval": trainer.evaluate(),

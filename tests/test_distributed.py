@@ -51,9 +51,11 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def _launch(trainer: str, agents: list[str], out: Path, overrides: dict, launch: str = "agent") -> list[dict]:
+def _launch(
+    trainer: str, agents: list[str], out: Path, overrides: dict, launch: str = "agent", resume: bool = False
+) -> list[dict]:
     """Run tests/agent_parallel_worker.py in two processes (torchrun, gloo); each writes rank_<r>.json."""
-    out.mkdir()
+    out.mkdir(exist_ok=resume)
     spec = json.dumps(
         {
             "trainer": trainer,
@@ -61,6 +63,7 @@ def _launch(trainer: str, agents: list[str], out: Path, overrides: dict, launch:
             "output_dir": str(out),
             "overrides": overrides,
             "launch": launch,
+            "resume": resume,
         }
     )
     launched = subprocess.run(
@@ -226,6 +229,28 @@ def test_two_data_shards_train_what_one_process_trains(qwen_bpe, llama_word, tmp
         "process_1.pt",
         "trainer_state.json",
     ]
+
+
+@pytest.mark.slow
+def test_data_parallel_run_resumes_exactly(qwen_bpe, llama_word, tmp_path, one_thread):
+    """Two processes stop after a checkpoint at step 2; relaunched with --resume they end where one process's
+    unbroken 4-step run ends."""
+    agents = [qwen_bpe, llama_word]
+    single = MAREINFORCETrainer(
+        agents=agents,
+        train_dataset=DATA,
+        reward_func=two_word_reward,
+        args=MAREINFORCEConfig(**run_args(prompts_per_step=2, max_steps=4, beta=0.05)),
+    )
+    expected = single.train()
+    out = tmp_path / "run"
+    first = {"prompts_per_step": 2, "beta": 0.05, "max_steps": 2, "save_steps": 2}
+    _launch("MAREINFORCE", agents, out, first, "data")
+    ranks = _launch("MAREINFORCE", agents, out, {**first, "max_steps": 4}, "data", resume=True)
+    for key in ("reward", "agent_0/loss", "agent_1/kl", "agent_1/grad_norm"):
+        assert ranks[0]["metrics"][key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
+    steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert steps == [1, 2, 3, 4]
 
 
 def test_data_parallel_checks(qwen_bpe, monkeypatch):
