@@ -278,6 +278,11 @@ def test_reward_model_env_scores_with_the_model_and_keeps_the_task_reward(qwen_b
         assert result.components["task"] == pytest.approx(task)
         assert result.components["length_reward"] == pytest.approx(task)
     assert scores[0] != scores[1]
+    # evaluation scores the task, never the reward model
+    with torch.no_grad():
+        trainer.reward_model.head.linear.bias.fill_(100.0)
+    assert env.step_many([episode], [[["abc", "d"]]])[0][0].rewards[0] > 50
+    assert abs(trainer.evaluate(DATA)["eval/reward"]) < 5
 
 
 def test_marlhf_saves_a_reward_model_that_reloads(qwen_bpe, tmp_path):
