@@ -187,33 +187,34 @@ def test_madpo_in_two_processes_exchanges_margins(qwen_bpe, llama_word, tmp_path
 
 @pytest.mark.slow
 @pytest.mark.parametrize(
-    "overrides",
+    ("trainer", "overrides"),
     [
-        {},
-        {
-            "scale": "batch",
-            "beta": 0.05,
-            "num_iterations": 2,
-            "loss_aggregation": "grpo",
-        },  # batch-wide statistics
-        {"lora_r": 4, "micro_batch_size": 1},
+        ("MAREINFORCE", {}),
+        # batch-wide statistics
+        ("MAREINFORCE", {"scale": "batch", "beta": 0.05, "num_iterations": 2, "loss_aggregation": "grpo"}),
+        ("MAREINFORCE", {"lora_r": 4, "micro_batch_size": 1}),
+        # whitening, value heads, mini-batches drawn from the whole batch
+        ("IPPO", {"num_iterations": 2, "num_mini_batches": 2}),
+        ("MAPPO", {"num_iterations": 2, "num_mini_batches": 2}),  # a separate centralized critic
     ],
 )
-def test_two_data_shards_train_what_one_process_trains(qwen_bpe, llama_word, tmp_path, overrides, one_thread):
+def test_two_data_shards_train_what_one_process_trains(
+    qwen_bpe, llama_word, tmp_path, trainer, overrides, one_thread
+):
     """data_parallel: each process takes half of every step's prompts; the summed gradients, the metrics of the
     whole batch and the saved agents equal one process's run on all the prompts."""
     agents = [qwen_bpe, llama_word]
     settings = run_args(prompts_per_step=4, max_steps=2, **overrides)
-    single = MAREINFORCETrainer(
+    single = getattr(comarl, f"{trainer}Trainer")(
         agents=agents,
         train_dataset=DATA,
         eval_dataset=DATA,
         reward_func=two_word_reward,
-        args=MAREINFORCEConfig(**settings),
+        args=getattr(comarl, f"{trainer}Config")(**settings),
     )
     expected = single.train()
     out = tmp_path / "run"
-    ranks = _launch("MAREINFORCE", agents, out, {"prompts_per_step": 4, **overrides, "save_steps": 2}, "data")
+    ranks = _launch(trainer, agents, out, {"prompts_per_step": 4, **overrides, "save_steps": 2}, "data")
     compared = [k for k in expected if not k.startswith("time/") and k != "completions_per_s"]
     for r in ranks:
         for key in compared:
@@ -256,8 +257,10 @@ def test_data_parallel_run_resumes_exactly(qwen_bpe, llama_word, tmp_path, one_t
 def test_data_parallel_checks(qwen_bpe, monkeypatch):
     with pytest.raises(ConfigError, match="data_parallel=True and agent_parallel=True: choose one"):
         MAREINFORCEConfig(data_parallel=True, agent_parallel=True)
-    with pytest.raises(ConfigError, match="data_parallel=True is built for the MAGRPO family"):
-        comarl.IPPOConfig(data_parallel=True)
+    with pytest.raises(
+        ConfigError, match="data_parallel=True is built for the MAGRPO family and the critic trainers"
+    ):
+        comarl.MADPOConfig(data_parallel=True)
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ConfigError, match="data_parallel=True needs its processes: launch with `torchrun"):
         MAREINFORCETrainer(

@@ -232,7 +232,7 @@ class MAGRPOConfig:
     data_parallel: bool = _help(
         "One process per data shard under torchrun: every process holds the whole team and takes prompts_per_step / "
         "world size of each step's prompts; gradients are summed across processes, so a step equals one process's "
-        "step on all the prompts. MAGRPO family. See docs/distributed.md.",
+        "step on all the prompts. MAGRPO family and critic trainers. See docs/distributed.md.",
         default=False,
     )
     bf16: bool = _help(
@@ -619,10 +619,6 @@ class ActorCriticConfig(MAGRPOConfig):
                 "share_weights=True is built for the MAGRPO family and MARLHF; the critic trainers keep one model "
                 "per agent"
             )
-        if self.data_parallel:
-            raise ConfigError(
-                "data_parallel=True is built for the MAGRPO family; the critic trainers: not yet"
-            )
         if self.baseline != "critic":
             raise ConfigError(
                 f"baseline={self.baseline!r}: actor-critic trainers use the critic as the baseline; remove baseline= "
@@ -776,7 +772,9 @@ class MADPOConfig(MAGRPOConfig):
                 "share_weights=True is built for the MAGRPO family and MARLHF; MADPO keeps one model per agent"
             )
         if self.data_parallel:
-            raise ConfigError("data_parallel=True is built for the MAGRPO family; MADPO: not yet")
+            raise ConfigError(
+                "data_parallel=True is built for the MAGRPO family and the critic trainers; MADPO: not yet"
+            )
         if self.baseline != "none" or self.scale != "none":
             raise ConfigError(
                 "MADPO learns from preference pairs, not advantages: remove baseline= and scale="
@@ -853,7 +851,9 @@ class MARLHFConfig(MAGRPOConfig):
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r}: must be an integer >= 1")
         if self.data_parallel:
-            raise ConfigError("data_parallel=True is built for the MAGRPO family; MARLHF: not yet")
+            raise ConfigError(
+                "data_parallel=True is built for the MAGRPO family and the critic trainers; MARLHF: not yet"
+            )
         if self.agent_parallel:
             raise ConfigError(
                 "MARLHF does not run agent-parallel yet (the reward model is trained in one process); "

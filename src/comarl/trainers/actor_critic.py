@@ -118,7 +118,7 @@ class ActorCriticTrainer(MAGRPOTrainer):
         t0 = time.perf_counter()
         rollout = self._collect(items)
         t1 = time.perf_counter()
-        metrics = rollout_metrics(rollout)
+        metrics = rollout_metrics(rollout, self.data)
 
         # Values of every node (Q: of every joint action) under the policy that collected the batch.
         critic_inputs, old = self._critic_values(rollout)  # [nodes, N] or [nodes, K, N]
@@ -143,13 +143,13 @@ class ActorCriticTrainer(MAGRPOTrainer):
             else:
                 adv = credited - node_values[:, i : i + 1]
             adv = adv.flatten()
-            advantages.append(whiten(adv) if args.whiten_advantages else adv)
+            advantages.append(self._whitened(adv) if args.whiten_advantages else adv)
             value_targets.append(credited.flatten())
 
         for i in self.learning_agents():  # a frozen agent's value head (if any) stays as it is too
             old_values = node_values[:, i].repeat_interleave(G)
             stats = self.update_actor(i, rollout.generations[i], advantages[i], value_targets[i], old_values)
-            stats["explained_variance"] = explained_variance(old_values, value_targets[i])
+            stats["explained_variance"] = explained_variance(*self._everywhere(old_values, value_targets[i]))
             metrics.update({f"agent_{i}/{k}": v for k, v in stats.items()})
         for c, critic in enumerate(self.critics):
             if critic is None:
@@ -192,6 +192,8 @@ class ActorCriticTrainer(MAGRPOTrainer):
         )
         M = gen.completion_ids.shape[0]
         micro = args.micro_batch_rows(M, gen.prompt_ids.shape[1] + gen.completion_ids.shape[1])
+        # Completion lengths of the whole batch (every process's under data parallelism): the loss normalisers.
+        (row_tokens,) = self._everywhere(gen.completion_mask.sum(dim=1))
         # Behaviour and reference log-probs under no_grad, only when the loss needs them.
         batches = [slice(s, s + micro) for s in range(0, M, micro)]
         reused = args.num_iterations * args.num_mini_batches > 1
@@ -199,9 +201,9 @@ class ActorCriticTrainer(MAGRPOTrainer):
         ref = self._logprobs(agent, gen, batches, self.references[i]) if self.references is not None else None
         for _ in range(args.num_iterations):
             totals = dict.fromkeys(("loss", "value_loss", "clip_fraction", "approx_kl", "entropy", "kl"), 0.0)
-            for rows in self._mini_batches(M, self.actor_shuffles[i]):
-                size, tokens = len(rows), int(gen.completion_mask[rows].sum())
-                for mb in rows.split(micro):
+            for batch, rows in self._mini_batches(M, self.actor_shuffles[i]):
+                size, tokens = len(batch), int(row_tokens[batch].sum())
+                for mb in rows.split(micro) if len(rows) else ():  # a shard may hold none of a mini-batch
                     mask = gen.completion_mask[mb]
                     with self._autocast(device):
                         logp, entropy, values = policy_forward(
@@ -252,13 +254,16 @@ class ActorCriticTrainer(MAGRPOTrainer):
             totals.pop("value_loss")
         if ref is None:
             totals.pop("kl")
+        if self.data is not None:  # each process holds its part of the batch-normalised sums: add them up
+            totals = {k: sum(part[k] for part in self.data.gather(totals)) for k in totals}
+        all_advantages, all_values = self._everywhere(advantages.cpu(), old_values.cpu())
         return {
             **totals,
             "grad_norm": grad_norm,
             "lr": self.schedulers[i].get_last_lr()[0],
-            "completion_length": gen.num_tokens / M,
-            "advantage_abs": float(advantages.abs().mean()),
-            "value_mean": float(old_values.mean()),
+            "completion_length": float(row_tokens.float().mean()),
+            "advantage_abs": float(all_advantages.abs().mean()),
+            "value_mean": float(all_values.mean()),
         }
 
     # ------------------------------------------------------------------ separate critic update
@@ -277,21 +282,24 @@ class ActorCriticTrainer(MAGRPOTrainer):
         micro = args.micro_batch_rows(S, ids.shape[1])
         for _ in range(args.num_iterations):
             total = 0.0
-            for rows in self._mini_batches(S, self.critic_shuffles[c]):
-                for mb in rows.split(micro):
+            for batch, rows in self._mini_batches(S, self.critic_shuffles[c]):
+                for mb in rows.split(micro) if len(rows) else ():  # a shard may hold none of a mini-batch
                     with self._autocast(critic.device):
                         values = critic(ids[mb], mask[mb])
                     loss = value_loss(values, old_values[mb], targets[mb], args.value_clip).mean(
                         dim=1
-                    ).sum() / len(rows)
+                    ).sum() / len(batch)
                     loss.backward()
                     total += float(loss.detach())
                 grad_norm = self._step(optimizer, critic.parameters(), None)
+        if self.data is not None:
+            total = sum(self.data.gather(total))
+        all_values, all_targets = self._everywhere(old_values.cpu().flatten(), targets.cpu().flatten())
         return {
             "value_loss": total / args.num_mini_batches,
             "grad_norm": grad_norm,
-            "explained_variance": explained_variance(old_values.flatten(), targets.flatten()),
-            "value_mean": float(old_values.mean()),
+            "explained_variance": explained_variance(all_values, all_targets),
+            "value_mean": float(all_values.mean()),
         }
 
     # ------------------------------------------------------------------ values under no_grad
@@ -367,13 +375,44 @@ class ActorCriticTrainer(MAGRPOTrainer):
         return torch.cat(parts)
 
     # ------------------------------------------------------------------ helpers
-    def _mini_batches(self, count: int, generator: torch.Generator) -> list[torch.Tensor]:
-        """A seeded shuffle of ``range(count)`` cut into ``num_mini_batches`` parts (all of them when 1)."""
-        order = torch.randperm(count, generator=generator)
-        return list(order.tensor_split(self.args.num_mini_batches))
+    def _mini_batches(
+        self, count: int, generator: torch.Generator
+    ) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """A seeded shuffle of the batch's rows cut into ``num_mini_batches`` parts: ``(rows of the batch, this
+        process's rows)`` per part. Under data parallelism the batch is every process's ``count`` rows, shuffled
+        alike everywhere, so each mini-batch is the one a single process would take."""
+        if self.data is None:
+            return [
+                (part, part)
+                for part in torch.randperm(count, generator=generator).tensor_split(
+                    self.args.num_mini_batches
+                )
+            ]
+        counts = self.data.gather(count)
+        offset = sum(counts[: self.data.rank])
+        order = torch.randperm(sum(counts), generator=generator)
+        parts = order.tensor_split(self.args.num_mini_batches)
+        return [(part, part[(part >= offset) & (part < offset + count)] - offset) for part in parts]
+
+    def _everywhere(self, *tensors: torch.Tensor) -> list[torch.Tensor]:
+        """Each tensor concatenated over the processes (itself in one process)."""
+        if self.data is None:
+            return list(tensors)
+        parts = self.data.gather([t.cpu() for t in tensors])
+        return [torch.cat([p[k] for p in parts]) for k in range(len(tensors))]
+
+    def _whitened(self, advantages: torch.Tensor) -> torch.Tensor:
+        """``whiten`` over the whole batch (every process's advantages); this process's part."""
+        if self.data is None:
+            return whiten(advantages)
+        parts = self.data.gather(advantages)
+        start = sum(len(p) for p in parts[: self.data.rank])
+        return whiten(torch.cat(parts))[start : start + len(advantages)]
 
     def _step(self, optimizer: torch.optim.Optimizer, params: Any, head: ValueHead | None) -> float:
         params = [p for p in params if p.requires_grad] + ([] if head is None else list(head.parameters()))
+        if self.data is not None:  # the batch's gradient: the sum of every process's part
+            self.data.all_reduce_grads(params)
         max_norm = self.args.max_grad_norm if self.args.max_grad_norm is not None else math.inf
         grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
         optimizer.step()
