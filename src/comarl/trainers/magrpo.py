@@ -364,7 +364,6 @@ class MAGRPOTrainer:
         optimizer (``share_weights``; a single agent otherwise): every agent's loss is normalised over its own
         completions, their gradients add up, and the shared weights take one step. Returns each agent's metrics."""
         args = self.args
-        optimizer, model = self.optimizers[agents[0]], self.team[agents[0]].model
         prepared, sizes = {}, {}
         for i in agents:
             agent, gen = self.team[i], gens[i]
@@ -383,14 +382,7 @@ class MAGRPOTrainer:
         for _ in range(args.num_iterations):
             # metrics of the last iteration
             totals = {i: self._backward(i, gens[i], *prepared[i]) for i in agents}
-            params = [p for p in model.parameters() if p.requires_grad]
-            if self.data is not None:  # the batch's gradient: the sum of every process's part
-                self.data.all_reduce_grads(params)
-            max_norm = args.max_grad_norm if args.max_grad_norm is not None else math.inf
-            grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-            optimizer.step()
-            self.schedulers[agents[0]].step()
-            optimizer.zero_grad(set_to_none=True)
+            grad_norm = self._apply_gradients(agents[0])
         lr = self.schedulers[agents[0]].get_last_lr()[0]
         if self.data is not None:  # each process holds its part of the batch-normalised sums: add them up
             parts = self.data.gather(totals)
@@ -405,6 +397,20 @@ class MAGRPOTrainer:
             }
             for i in agents
         }
+
+    def _apply_gradients(self, i: int) -> float:
+        """Agent ``i``'s optimizer step on the gradients its backward passes left (summed over the processes under
+        data parallelism, then clipped), and a schedule step; returns the gradient norm before clipping."""
+        args, optimizer = self.args, self.optimizers[i]
+        params = [p for p in self.team[i].model.parameters() if p.requires_grad]
+        if self.data is not None:  # the batch's gradient: the sum of every process's part
+            self.data.all_reduce_grads(params)
+        max_norm = args.max_grad_norm if args.max_grad_norm is not None else math.inf
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        optimizer.step()
+        self.schedulers[i].step()
+        optimizer.zero_grad(set_to_none=True)
+        return grad_norm
 
     def _backward(
         self,

@@ -174,7 +174,7 @@ class MADPOTrainer(MAGRPOTrainer):
     ) -> dict[str, float]:
         """One optimizer step of agent ``i`` on ``sum_r weight_r log pi_i(row r)``, whose gradient is the DPO
         loss's (the weights are its derivative in each row's log-prob), one micro-batch at a time."""
-        args, agent, optimizer = self.args, self.team[i], self.optimizers[i]
+        args, agent = self.args, self.team[i]
         weight = weight.to(agent.device)
         width = gen.prompt_ids.shape[1] + gen.completion_ids.shape[1]
         micro = args.micro_batch_rows(len(rows), width)
@@ -183,12 +183,7 @@ class MADPOTrainer(MAGRPOTrainer):
             with self._autocast(agent.device):
                 logp = self._row_logprobs(agent, gen, part)
             (weight[s : s + micro] * logp).sum().backward()
-        params = [p for p in agent.model.parameters() if p.requires_grad]
-        max_norm = args.max_grad_norm if args.max_grad_norm is not None else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
-        optimizer.step()
-        self.schedulers[i].step()
-        optimizer.zero_grad(set_to_none=True)
+        grad_norm = self._apply_gradients(i)
         return {"grad_norm": grad_norm, "lr": self.schedulers[i].get_last_lr()[0]}
 
     # ------------------------------------------------------------------ candidates
