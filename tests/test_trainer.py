@@ -172,6 +172,23 @@ def test_ppo_iterations_and_kl_are_reported(qwen_bpe):
     assert trainer.schedulers[0].last_epoch == 2 * 3  # one optimizer step per iteration
 
 
+def test_zero_advantage_fraction_explains_a_zero_loss(qwen_bpe):
+    """A group whose G samples all score the same has advantage 0 everywhere: no learning signal."""
+    rewards = iter([[1.0, 1.0, 1.0, 0.0, 2.0, 2.0], [5.0] * 6])  # step 1: group 0 flat, group 1 not; step 2: flat
+    trainer = MAGRPOTrainer(
+        model=qwen_bpe,
+        num_agents=1,
+        train_dataset=DATA,
+        reward_func=lambda c: next(rewards),
+        args=small_args(),
+    )
+    metrics, _ = trainer.training_step(DATA[:2])
+    assert metrics["agent_0/zero_advantage_fraction"] == 0.5 and metrics["agent_0/grad_norm"] > 0
+    metrics, _ = trainer.training_step(DATA[2:])
+    assert metrics["agent_0/zero_advantage_fraction"] == 1.0
+    assert metrics["agent_0/loss"] == 0.0 and metrics["agent_0/grad_norm"] == 0.0
+
+
 def test_cross_mode_credits_the_mean_over_joint_actions(qwen_bpe):
     trainer = MAGRPOTrainer(
         model=qwen_bpe,

@@ -261,6 +261,12 @@ class MAGRPOConfig:
         "same model and device): memory for one base instead of one per agent. See docs/lora.md.",
         default=False,
     )
+    check_memory: bool = _help(
+        "Before loading any weights, estimate each device's static training memory (fp32 weights, gradients, AdamW "
+        "states, KL reference) from the models' configs and stop with the numbers and the fixes when it exceeds the "
+        "device's free memory. See docs/memory.md.",
+        default=True,
+    )
     gradient_checkpointing: bool = _help(
         "Recompute activations in the backward pass to save memory.", default=False
     )

@@ -49,6 +49,7 @@ from comarl.critics import (
 )
 from comarl.engines import Generation
 from comarl.envs import prompt_text
+from comarl.memory import ModelMemory, model_memory, model_size
 from comarl.rollout import Rollout
 from comarl.trainers.magrpo import MAGRPOTrainer, fused_adamw, lr_lambda, rollout_metrics
 
@@ -113,6 +114,19 @@ class ActorCriticTrainer(MAGRPOTrainer):
         ]
 
     # ------------------------------------------------------------------ one training step
+
+    def _memory_plan(self, members: Sequence[Any], devices: Sequence[str]) -> list[ModelMemory]:
+        """The agents' memory and that of the critics with their own backbone (value heads are a few kilobytes)."""
+        a, plan = self.args, super()._memory_plan(members, devices)
+        if a.centralized_critic and 0 in self.local:
+            source = a.critic_model or members[0]
+            if isinstance(source, (str, Path)):
+                plan.append(model_memory("centralized critic", devices[0], model_size(source, lm_head=False)))
+        elif a.critic_model is not None:
+            size = model_size(a.critic_model, lm_head=False)
+            plan += [model_memory(f"critic {i}", devices[i], size) for i in self.local]
+        return plan
+
     def training_step(self, items: Sequence[Any]) -> tuple[dict[str, float], list[dict[str, Any]]]:
         args, N, G = self.args, self.num_agents, self.args.num_generations
         t0 = time.perf_counter()

@@ -31,6 +31,7 @@ from comarl.config import ConfigError, MAGRPOConfig, MAREINFORCEConfig, MAReMaxC
 from comarl.distributed import AgentParallel, DataParallel, RemoteAgent, save_own_model
 from comarl.engines import Generation, HFEngine, SamplingParams
 from comarl.envs import Env, FunctionEnv, comlrl_transition
+from comarl.memory import ModelMemory, ModelSize, check_fits, free_memory, model_memory, model_size
 from comarl.rollout import Rollout, collect, greedy_returns
 
 
@@ -152,6 +153,13 @@ class MAGRPOTrainer:
         # The processes of this run (either launch mode), for the run folder and checkpoints.
         self.processes = self.parallel or self.data
         members = list(team.agents) if team is not None else sources
+        if args.check_memory:  # before any weights load: a team that cannot fit stops here, with the numbers
+            plan = self._memory_plan(members, devices)
+            check_fits(
+                plan,
+                {d: free_memory(d) for d in {m.device for m in plan}},
+                self._memory_fixes(members, devices),
+            )
         if args.lora_shared_base:
             self.team = Team(_shared_base_agents(members, tokenizer, devices, model_config, args))
         elif args.share_weights:
@@ -205,7 +213,7 @@ class MAGRPOTrainer:
             optimizer = self._optimizer(self.team[0])
             self.optimizers = [optimizer] * n
             self.schedulers = [self._schedule(optimizer)] * n
-            self.references = [_reference(self.team[0].model)] * n if args.beta > 0 else None
+            self.references = [_reference(self.team[0].model)] * n if self._keeps_reference() else None
         else:
             self.optimizers = [
                 self._optimizer(a) if i in self.local else None for i, a in enumerate(self.team)
@@ -216,11 +224,57 @@ class MAGRPOTrainer:
                     _reference(a.model) if i in self.local and i not in args.frozen_agents else None
                     for i, a in enumerate(self.team)
                 ]
-                if args.beta > 0
+                if self._keeps_reference()
                 else None
             )
         self.joint_generator = torch.Generator().manual_seed(args.seed + 1)
         self.step = 0
+
+    def _keeps_reference(self) -> bool:
+        """Whether each learning agent keeps a reference policy (the KL term's): a frozen copy, or itself without
+        its LoRA adapters."""
+        return self.args.beta > 0
+
+    def _memory_plan(self, members: Sequence[Any], devices: Sequence[str]) -> list[ModelMemory]:
+        """The static memory of the agents this process loads from a hub id or path (objects are already loaded)."""
+        a = self.args
+        lora = (a.lora_r, a.lora_alpha, a.lora_target_modules) if a.lora_r is not None else None
+        sizes: dict[str, ModelSize] = {}
+        plan = []
+        for i in self.local:
+            if not isinstance(members[i], (str, Path)):
+                continue
+            source = str(members[i])
+            size = sizes[source] = sizes.get(source) or model_size(source, lora)
+            # With a shared base or one shared model the first agent holds the weights.
+            shares = (a.lora_shared_base or a.share_weights) and i != self.local[0]
+            trains = i not in a.frozen_agents and not (a.share_weights and shares)
+            plan.append(
+                model_memory(
+                    f"agent {i}",
+                    devices[i],
+                    size,
+                    owns_weights=not shares,
+                    trains=trains,
+                    reference=self._keeps_reference() and lora is None and trains,
+                )
+            )
+        return plan
+
+    def _memory_fixes(self, members: Sequence[Any], devices: Sequence[str]) -> list[str]:
+        """What would shrink the plan, for the error of check_fits."""
+        a = self.args
+        fixes = []
+        if a.lora_r is None:
+            fixes.append("lora_r=16 (train LoRA adapters: no gradients or AdamW states for the base weights)")
+        if self._keeps_reference() and a.lora_r is None:
+            fixes.append(f"beta=0 (no KL reference copy; now beta={a.beta})")
+        if len(set(devices)) < len(devices) and torch.cuda.device_count() > 1:
+            fixes.append("agent_devices=[one device per agent], or agent_parallel=True under torchrun")
+        named = {str(m) for m in members if isinstance(m, (str, Path))}
+        if len(members) > 1 and len(named) == 1 and not (a.lora_shared_base or a.share_weights):
+            fixes.append("lora_shared_base=True with lora_r= (one copy of the base for every agent)")
+        return fixes
 
     # ------------------------------------------------------------------ training
     def train(self, resume_from_checkpoint: str | Path | bool | None = None) -> dict[str, float]:
@@ -305,10 +359,15 @@ class MAGRPOTrainer:
             greedy = [baselines[:, i] for i in range(self.num_agents)]
         t1 = time.perf_counter()
         metrics = rollout_metrics(rollout, self.data)
-        advantages = [
-            self._advantages(rollout.returns[i], None if greedy is None else greedy[i], rollout.depth)
-            for i in range(self.num_agents)
-        ]
+        advantages = []
+        for i in range(self.num_agents):
+            local, zero = self._advantages(
+                rollout.returns[i], None if greedy is None else greedy[i], rollout.depth
+            )
+            advantages.append(local)
+            # A completion with advantage 0 teaches nothing (all G samples of its group scored the same): at 1.0 the
+            # policy loss and its gradient are 0, which is the usual reason a run "does not learn".
+            metrics[f"agent_{i}/zero_advantage_fraction"] = zero
         # Agents with their own weights update one by one; agents sharing one model (share_weights) together.
         learning = self.learning_agents()
         groups = [learning] if args.share_weights and learning else [[i] for i in learning]
@@ -335,13 +394,14 @@ class MAGRPOTrainer:
 
     def _advantages(
         self, returns: torch.Tensor, greedy: torch.Tensor | None, depth: torch.Tensor
-    ) -> torch.Tensor:
-        """One agent's advantages per completion (flat). Under data parallelism they are computed on every
-        process's returns, so batch-wide statistics (``scale="batch"`` / ``"turn"``) stay batch-wide, and this
-        process keeps its own rows."""
+    ) -> tuple[torch.Tensor, float]:
+        """One agent's advantages per completion (flat) of this process, and the fraction of the whole batch's
+        advantages that are 0 (|A| < 1e-6). Under data parallelism they are computed on every process's returns, so
+        batch-wide statistics (``scale="batch"`` / ``"turn"``) stay batch-wide, and this process keeps its own rows."""
         args = self.args
         if self.data is None:
-            return group_advantages(returns, args.baseline, args.scale, greedy, turns=depth).flatten()
+            everything = group_advantages(returns, args.baseline, args.scale, greedy, turns=depth).flatten()
+            return everything, float((everything.abs() < 1e-6).float().mean())
         parts = self.data.gather((returns, greedy, depth))
         everything = group_advantages(
             torch.cat([p[0] for p in parts]),
@@ -351,7 +411,8 @@ class MAGRPOTrainer:
             turns=torch.cat([p[2] for p in parts]),
         ).flatten()
         start = sum(p[0].numel() for p in parts[: self.data.rank])
-        return everything[start : start + returns.numel()]
+        zero = float((everything.abs() < 1e-6).float().mean())
+        return everything[start : start + returns.numel()], zero
 
     def update_agent(self, i: int, gen: Generation, advantages: torch.Tensor) -> dict[str, float]:
         """``num_iterations`` optimizer steps of agent ``i`` on its completions; returns its metrics."""

@@ -41,8 +41,9 @@ from comarl.config import ConfigError, MADPOConfig, MARLHFConfig
 from comarl.critics import CriticModel, joint_observation
 from comarl.engines import Generation, concat_generations
 from comarl.envs import Env, StepResult, prompt_text
+from comarl.memory import ModelMemory, model_memory, model_size
 from comarl.rollout import collect
-from comarl.trainers.magrpo import MAGRPOTrainer, _reference, fused_adamw, rollout_metrics
+from comarl.trainers.magrpo import MAGRPOTrainer, fused_adamw, rollout_metrics
 
 
 class MADPOTrainer(MAGRPOTrainer):
@@ -53,18 +54,16 @@ class MADPOTrainer(MAGRPOTrainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         a = self.args
-        # The reference is the initial policy. Candidates from the initial team carry its log-probs from the
-        # moment they are sampled; candidates sampled later need a frozen copy (or the agent without adapters).
-        if a.dpo_reference == "initial" and a.candidates_from == "current":
-            self.references = [
-                _reference(x.model) if i in self.local and i not in a.frozen_agents else None
-                for i, x in enumerate(self.team)
-            ]
         self.pair_generator = torch.Generator().manual_seed(a.seed + 3)
         # candidates_from="initial": per dataset item, what the initial team answered (see _initial_candidates),
         # and the dataset indices of the current step (set by _batches) to look them up.
         self.candidates: list[dict[str, Any]] | None = None
         self._step_indices: list[int] = []
+
+    def _keeps_reference(self) -> bool:
+        # The reference is the initial policy. Candidates from the initial team carry its log-probs from the
+        # moment they are sampled; candidates sampled later need a frozen copy (or the agent without adapters).
+        return self.args.dpo_reference == "initial" and self.args.candidates_from == "current"
 
     # ------------------------------------------------------------------ one training step
     def training_step(self, items: Sequence[Any]) -> tuple[dict[str, float], list[dict[str, Any]]]:
@@ -398,6 +397,16 @@ class MARLHFTrainer(MAGRPOTrainer):
         self.reward_model_fitted = not a.fit_reward_model
         self.env = RewardModelEnv(self.task_env, self.reward_model)
         self.pair_generator = torch.Generator().manual_seed(a.seed + 3)
+
+    def _memory_plan(self, members: Sequence[Any], devices: Sequence[str]) -> list[ModelMemory]:
+        """The agents' memory and the reward model's (a backbone with a scalar head, trained when it is fit)."""
+        a, plan = self.args, super()._memory_plan(members, devices)
+        source = a.reward_model or members[0]
+        if 0 in self.local and isinstance(source, (str, Path)):
+            trains = a.fit_reward_model or a.reward_refit_steps > 0
+            size = model_size(source, lm_head=False)
+            plan.append(model_memory("reward model", devices[0], size, trains=trains))
+        return plan
 
     def training_step(self, items: Sequence[Any]) -> tuple[dict[str, float], list[dict[str, Any]]]:
         k = self.args.reward_refit_steps

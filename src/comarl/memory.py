@@ -1,0 +1,133 @@
+"""Will the team fit? The static training memory of every device, estimated before any weights load.
+
+Training keeps, per agent: fp32 weights (the AdamW master copy), a fp32 gradient and AdamW's two
+fp32 moments for every trainable parameter, and, with ``beta > 0`` and no LoRA, a frozen fp32
+copy of the starting weights as the KL reference. Parameters are counted on the meta device
+(the model's config is read, never its weights). Activations, the KV cache of generation and
+autocast's bf16 weight copies come on top, so a device whose free memory is below this static
+total cannot train the team, and the run stops before loading anything.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from comarl.config import ConfigError
+
+GIB = 2**30
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    """Parameter counts of one agent's model: all of them, and those the optimizer trains."""
+
+    parameters: int
+    trainable: int
+
+
+@dataclass(frozen=True)
+class ModelMemory:
+    """The static training memory of one model (an agent or a critic) on its device, in bytes.
+
+    ``weights = 4 P`` (P parameters, fp32; only the adapters' for an agent that shares another's base),
+    ``gradients = 4 T`` and ``optimizer = 8 T`` (T trainable parameters; AdamW's two moments),
+    ``reference = 4 P`` (the KL reference copy, kept only for full fine-tuning).
+    """
+
+    name: str
+    device: str
+    weights: int
+    gradients: int
+    optimizer: int
+    reference: int
+
+    @property
+    def total(self) -> int:
+        return self.weights + self.gradients + self.optimizer + self.reference
+
+
+def model_size(
+    source: str | Path, lora: tuple[int, float, list[str] | str] | None = None, lm_head: bool = True
+) -> ModelSize:
+    """Count the parameters of the model that a hub id or local path names, without loading its weights.
+
+    The model (a causal LM, or with ``lm_head=False`` the bare backbone a critic loads) is built
+    from its config on the meta device; ``lora = (r, alpha, target_modules)`` wraps it with peft as
+    training would, so ``trainable`` counts the adapters only.
+    """
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
+
+    config = AutoConfig.from_pretrained(str(source))
+    with torch.device("meta"):
+        model = (AutoModelForCausalLM if lm_head else AutoModel).from_config(config)
+    if lora is not None:
+        from comarl.agents import add_lora
+
+        model = add_lora(model, *lora)
+    parameters = sum(p.numel() for p in model.parameters())
+    trainable = (
+        sum(p.numel() for p in model.parameters() if p.requires_grad) if lora is not None else parameters
+    )
+    return ModelSize(parameters, trainable)
+
+
+def model_memory(
+    name: str,
+    device: str,
+    size: ModelSize,
+    *,
+    owns_weights: bool = True,
+    trains: bool = True,
+    reference: bool = False,
+) -> ModelMemory:
+    """The bytes of one model: see :class:`ModelMemory`. ``trains=False``: frozen (no gradients or optimizer
+    state); ``owns_weights=False``: the base weights are another agent's (a shared LoRA base: only its own
+    adapters count; one shared model: nothing); ``reference``: a frozen copy of the weights is kept."""
+    trainable = size.trainable if trains else 0
+    return ModelMemory(
+        name=name,
+        device=device,
+        weights=4 * size.parameters if owns_weights else 4 * trainable,
+        gradients=4 * trainable,
+        optimizer=8 * trainable,
+        reference=4 * size.parameters if reference else 0,
+    )
+
+
+def free_memory(device: str) -> int | None:
+    """Bytes free on ``device`` now: CUDA's free memory, or the host's ``MemAvailable`` for the CPU; None if unknown."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        return torch.cuda.mem_get_info(dev)[0]
+    if dev.type == "cpu":
+        try:
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+        except OSError:
+            return None
+    return None
+
+
+def check_fits(plan: Sequence[ModelMemory], free: dict[str, int | None], fixes: Sequence[str]) -> None:
+    """Raise ConfigError naming the device, the models on it, their bytes and ``fixes`` when a device's models need
+    more than its ``free`` bytes (a device whose free memory is unknown is not checked)."""
+    for device in dict.fromkeys(m.device for m in plan):
+        on_device = [m for m in plan if m.device == device]
+        need, have = sum(m.total for m in on_device), free.get(device)
+        if have is None or need <= have:
+            continue
+        parts = "; ".join(
+            f"{m.name}: weights {m.weights / GIB:.1f}, gradients {m.gradients / GIB:.1f}, "
+            f"AdamW states {m.optimizer / GIB:.1f}, KL reference {m.reference / GIB:.1f}"
+            for m in on_device
+        )
+        raise ConfigError(
+            f"the team does not fit on {device}: it needs at least {need / GIB:.1f} GiB there before activations "
+            f"({parts}; in GiB), and {device} has {have / GIB:.1f} GiB free. Fixes: {'; '.join(fixes)}; "
+            "or check_memory=False to skip this check"
+        )

@@ -1,0 +1,157 @@
+"""Memory check: static training memory per device from the models' configs, checked before any weights load."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from comarl import ConfigError, MAGRPOConfig, MAGRPOTrainer, MAPPOConfig, MAPPOTrainer
+from comarl.memory import GIB, ModelSize, check_fits, model_memory, model_size
+
+DATA = [{"prompt": p} for p in ("def add(a, b):", "the agents meet at")]
+
+
+def reward(a, b):
+    return [0.0] * len(a)
+
+
+def args(**kw):
+    return MAGRPOConfig(prompts_per_step=2, num_generations=2, max_new_tokens=4, progress_bar=False, **kw)
+
+
+def test_model_memory_counts_fp32_weights_gradients_adamw_and_reference_by_hand():
+    full = model_memory("agent 0", "cpu", ModelSize(1000, 1000), reference=True)
+    assert (full.weights, full.gradients, full.optimizer, full.reference, full.total) == (
+        4000,
+        4000,
+        8000,
+        4000,
+        20000,
+    )
+    lora = model_memory("agent 0", "cpu", ModelSize(1100, 100))
+    assert (lora.weights, lora.gradients, lora.optimizer, lora.total) == (4400, 400, 800, 5600)
+    # A second agent on a shared LoRA base holds only its adapters; one shared model: nothing; frozen: no state.
+    assert model_memory("agent 1", "cpu", ModelSize(1100, 100), owns_weights=False).total == 400 + 400 + 800
+    assert model_memory("agent 1", "cpu", ModelSize(1000, 1000), owns_weights=False, trains=False).total == 0
+    assert model_memory("agent 1", "cpu", ModelSize(1000, 1000), trains=False).total == 4000
+
+
+def test_model_size_counts_without_loading_as_the_loaded_model_has(qwen_bpe):
+    loaded = AutoModelForCausalLM.from_pretrained(qwen_bpe)
+    assert model_size(qwen_bpe) == ModelSize(*[sum(p.numel() for p in loaded.parameters())] * 2)
+    lora = model_size(qwen_bpe, (4, 8.0, "all-linear"))
+    trainer = MAGRPOTrainer(
+        model=qwen_bpe,
+        num_agents=1,
+        train_dataset=DATA,
+        reward_func=lambda a: [0.0] * len(a),
+        args=args(lora_r=4),
+    )
+    model = trainer.team[0].model
+    assert lora.parameters == sum(p.numel() for p in model.parameters())
+    assert (
+        lora.trainable == sum(p.numel() for p in model.parameters() if p.requires_grad) < lora.parameters / 10
+    )
+
+
+def test_check_fits_names_the_device_the_numbers_and_the_fixes():
+    plan = [
+        model_memory("agent 0", "cuda:0", ModelSize(GIB, GIB), reference=True),  # 20 GiB
+        model_memory("agent 1", "cuda:0", ModelSize(GIB, GIB)),  # 16 GiB
+        model_memory("agent 2", "cuda:1", ModelSize(GIB, GIB)),
+    ]
+    check_fits(plan, {"cuda:0": 36 * GIB, "cuda:1": None}, ["beta=0"])  # fits exactly; cuda:1 unknown
+    with pytest.raises(ConfigError) as e:
+        check_fits(plan, {"cuda:0": 30 * GIB, "cuda:1": 100 * GIB}, ["beta=0", "lora_r=16"])
+    assert str(e.value) == (
+        "the team does not fit on cuda:0: it needs at least 36.0 GiB there before activations (agent 0: weights 4.0, "
+        "gradients 4.0, AdamW states 8.0, KL reference 4.0; agent 1: weights 4.0, gradients 4.0, AdamW states 8.0, "
+        "KL reference 0.0; in GiB), and cuda:0 has 30.0 GiB free. Fixes: beta=0; lora_r=16; or check_memory=False "
+        "to skip this check"
+    )
+
+
+def huge_model_dir(tmp_path):
+    """A folder with only the config of a ~15 B-parameter Qwen2 model: no weights, no tokenizer."""
+    config = dict(
+        model_type="qwen2",
+        architectures=["Qwen2ForCausalLM"],
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=16,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=32000,
+    )
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    return str(tmp_path)
+
+
+def test_a_team_that_cannot_fit_stops_before_loading_with_the_numbers(tmp_path):
+    path = huge_model_dir(tmp_path)
+    P = model_size(path).parameters
+    assert 14e9 < P < 16e9
+    with pytest.raises(ConfigError) as e:  # loading would fail: the folder has no weights and no tokenizer
+        MAGRPOTrainer(model=path, num_agents=2, train_dataset=DATA, reward_func=reward, args=args(beta=0.05))
+    message = str(e.value)
+    assert message.startswith(f"the team does not fit on cpu: it needs at least {2 * 20 * P / GIB:.1f} GiB")
+    assert (
+        f"agent 1: weights {4 * P / GIB:.1f}, gradients {4 * P / GIB:.1f}, AdamW states {8 * P / GIB:.1f}"
+        in message
+    )
+    assert "lora_r=16" in message and "beta=0 (no KL reference copy; now beta=0.05)" in message
+    assert "lora_shared_base=True" in message
+    # Switched off, the trainer goes on to load the model and fails there.
+    with pytest.raises(OSError):
+        MAGRPOTrainer(
+            model=path, num_agents=2, train_dataset=DATA, reward_func=reward, args=args(check_memory=False)
+        )
+
+
+def plan_of(trainer_class, path, config, num_agents=2):
+    trainer = trainer_class(
+        model=path, num_agents=num_agents, train_dataset=DATA, reward_func=reward, args=config
+    )
+    return {m.name: m for m in trainer._memory_plan([path] * num_agents, ["cpu"] * num_agents)}, trainer
+
+
+def test_the_plan_follows_lora_shared_bases_frozen_agents_and_critics(qwen_bpe):
+    full = model_size(qwen_bpe)
+    plan, trainer = plan_of(MAGRPOTrainer, qwen_bpe, args(beta=0.1, frozen_agents=[1]))
+    assert plan["agent 0"].total == 20 * full.parameters and plan["agent 1"].total == 4 * full.parameters
+    assert trainer.references[0] is not None and trainer.references[1] is None  # as planned
+
+    lora = model_size(qwen_bpe, (4, 32.0, "all-linear"))
+    plan, trainer = plan_of(MAGRPOTrainer, qwen_bpe, args(lora_r=4, lora_shared_base=True, beta=0.1))
+    assert (
+        plan["agent 0"].total == 4 * lora.parameters + 12 * lora.trainable
+    )  # the reference is the base: no copy
+    assert plan["agent 1"].total == 16 * lora.trainable
+    held = {p.data_ptr(): p.numel() for a in trainer.team for p in a.model.get_base_model().parameters()}
+    assert sum(held.values()) == lora.parameters + lora.trainable  # one base and both adapters, as planned
+
+    plan, _ = plan_of(MAGRPOTrainer, qwen_bpe, args(share_weights=True))
+    assert plan["agent 0"].total == 16 * full.parameters and plan["agent 1"].total == 0
+
+    ppo = MAPPOConfig(prompts_per_step=2, num_generations=2, max_new_tokens=4, progress_bar=False)
+    plan, trainer = plan_of(MAPPOTrainer, qwen_bpe, ppo)
+    backbone = sum(p.numel() for p in trainer.critics[0].model.parameters())
+    assert plan["centralized critic"].total == 16 * backbone
+    assert set(plan) == {"agent 0", "agent 1", "centralized critic"}
+
+
+def test_model_objects_are_not_planned(qwen_bpe):
+    model = AutoModelForCausalLM.from_pretrained(qwen_bpe)
+    trainer = MAGRPOTrainer(
+        model=model,
+        num_agents=1,
+        tokenizer=qwen_bpe,
+        train_dataset=DATA,
+        reward_func=lambda a: [0.0] * len(a),
+        args=args(),
+    )
+    assert trainer._memory_plan([model], ["cpu"]) == []
+    assert torch.equal(next(trainer.team[0].model.parameters()), next(model.parameters()))
