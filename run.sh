@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Set up comarl in ./.venv and run the demo or the test suite.
 #   ./run.sh demo [comarl demo options]   train two tiny agents to coordinate (offline, CPU)
-#   ./run.sh test [pytest options]        run the whole test suite
+#   ./run.sh test [pytest options]        run the whole test suite (2 pytest-xdist workers; -n 0 for one process)
 # torch is installed only when the venv lacks it, pinned to the CPU build this machine carries;
 # a torch you installed into .venv yourself (e.g. a CUDA build) is left alone.
 set -euo pipefail
@@ -19,6 +19,6 @@ cmd="${1:-demo}"
 shift || true
 case "$cmd" in
     demo) exec .venv/bin/comarl demo "$@" ;;
-    test) exec .venv/bin/python -m pytest "$@" ;;
+    test) exec .venv/bin/python -m pytest -n 2 "$@" ;;  # two workers: the suite is sized for 2 cores
     *) echo "usage: ./run.sh demo|test [args...]" >&2; exit 2 ;;
 esac

@@ -174,7 +174,8 @@ def test_ppo_iterations_and_kl_are_reported(qwen_bpe):
 
 def test_zero_advantage_fraction_explains_a_zero_loss(qwen_bpe):
     """A group whose G samples all score the same has advantage 0 everywhere: no learning signal."""
-    rewards = iter([[1.0, 1.0, 1.0, 0.0, 2.0, 2.0], [5.0] * 6])  # step 1: group 0 flat, group 1 not; step 2: flat
+    # step 1: group 0 flat, group 1 not; step 2: both flat
+    rewards = iter([[1.0, 1.0, 1.0, 0.0, 2.0, 2.0], [5.0] * 6])
     trainer = MAGRPOTrainer(
         model=qwen_bpe,
         num_agents=1,
