@@ -250,7 +250,7 @@ def test_entropy_bonus_alone_raises_the_policy_entropy(team):
             ),
         )
         gen = trainer.engine.generate(
-            trainer.team[0], [demo.formatter(0)(demo.dataset()[0])], 8, trainer._sampling()
+            trainer.team[0], [demo.formatter(0)(demo.dataset()[0])], 8, trainer._sampling()[0]
         )
         before = mean_entropy(trainer, gen)
         trainer.train()
@@ -264,7 +264,7 @@ def test_value_head_reads_the_last_prompt_token_in_the_policy_forward(team):
     agent, head = trainer.team[0], trainer.value_heads[0]
     torch.nn.init.normal_(head.linear.weight)
     gen = trainer.engine.generate(
-        agent, ["alice is in oslo .", "bob is in lima . where"], 2, trainer._sampling()
+        agent, ["alice is in oslo .", "bob is in lima . where"], 2, trainer._sampling()[0]
     )
     with torch.no_grad():
         _, _, values = policy_forward(

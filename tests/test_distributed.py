@@ -90,7 +90,14 @@ def _launch(
     ("trainer", "overrides", "saved"),
     [
         ("MAREINFORCE", {}, []),
-        ("IPPO", {"num_iterations": 2}, ["agent_0/value_head.pt", "agent_1/value_head.pt"]),
+        (  # each process samples and scores its agent by the agent's own settings
+            "IPPO",
+            {
+                "num_iterations": 2,
+                "agent_settings": [{"max_new_tokens": 3, "temperature": 0.7}, {"min_new_tokens": 5}],
+            },
+            ["agent_0/value_head.pt", "agent_1/value_head.pt"],
+        ),
         ("MAPPO", {"num_iterations": 2}, ["critic/value_head.pt"]),
         (
             "MAREINFORCE",

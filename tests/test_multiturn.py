@@ -68,7 +68,7 @@ def test_tree_shapes_and_batched_calls(joint_mode, max_children, nodes_per_turn)
         ITEMS,
         engine=engine,
         num_generations=3,
-        params=SamplingParams(),
+        params=[SamplingParams()] * 2,
         joint_mode=joint_mode,
         num_turns=3,
         max_children=max_children,
@@ -95,7 +95,7 @@ def test_reward_calls_per_turn_batched_and_per_joint_action():
         ITEMS,
         engine=CountingEngine(),
         num_generations=2,
-        params=SamplingParams(),
+        params=[SamplingParams()] * 2,
         num_turns=2,
     )
     assert calls == [
@@ -110,7 +110,7 @@ def test_reward_calls_per_turn_batched_and_per_joint_action():
         ITEMS,
         engine=CountingEngine(),
         num_generations=2,
-        params=SamplingParams(),
+        params=[SamplingParams()] * 2,
         num_turns=2,
     )
     assert calls == [1] * (4 + 8)  # per_joint_action: one call per joint action
@@ -129,7 +129,7 @@ def test_done_branches_get_no_children_and_the_transition_is_not_called_after_th
         ITEMS[:1],
         engine=CountingEngine(),
         num_generations=2,
-        params=SamplingParams(),
+        params=[SamplingParams()] * 2,
         num_turns=2,
     )
     assert rollout.depth.numel() == 1 + 1  # joint action 1 ended the episode; joint action 0 continued
@@ -168,7 +168,7 @@ def test_discount_reaches_the_completion_returns():
         ITEMS[:1],
         engine=CountingEngine(),
         num_generations=2,
-        params=SamplingParams(),
+        params=[SamplingParams()] * 2,
         num_turns=2,
         discount=0.9,
     )
@@ -183,10 +183,10 @@ def test_greedy_baseline_follows_a_greedy_path_from_every_node():
     env = env_with(always_continue, lambda a, b, prompts: [float(p[-1]) for p in prompts[0]], num_turns=3)
     engine = CountingEngine()
     common = {"engine": engine, "num_turns": 3, "discount": 0.5}
-    rollout = collect(env, fake_agents(2), ITEMS, num_generations=2, params=SamplingParams(), **common)
+    rollout = collect(env, fake_agents(2), ITEMS, num_generations=2, params=[SamplingParams()] * 2, **common)
     engine.calls.clear()
     baselines, _ = greedy_returns(
-        env, fake_agents(2), rollout, params=SamplingParams(do_sample=False), **common
+        env, fake_agents(2), rollout, params=[SamplingParams(do_sample=False)] * 2, **common
     )
     # roots: r0 + 0.5 * 2 + 0.25 * 3 (item 0: r0 = 0, item 1: r0 = 1); turn 2: 2 + 0.5 * 3; turn 3: 3
     expected = {0: [1.75, 2.75], 1: [3.5] * 4, 2: [3.0] * 8}
@@ -204,9 +204,9 @@ def test_greedy_path_stops_when_the_episode_is_done():
         num_turns=2,
     )
     common = {"engine": CountingEngine(), "num_turns": 2, "discount": 1.0}
-    rollout = collect(env, fake_agents(2), ITEMS, num_generations=1, params=SamplingParams(), **common)
+    rollout = collect(env, fake_agents(2), ITEMS, num_generations=1, params=[SamplingParams()] * 2, **common)
     baselines, _ = greedy_returns(
-        env, fake_agents(2), rollout, params=SamplingParams(do_sample=False), **common
+        env, fake_agents(2), rollout, params=[SamplingParams(do_sample=False)] * 2, **common
     )
     # item 0 continues (0 + 2), item 1 is done after turn 1 (1); the turn-2 node of item 0 gets 2
     assert baselines[:, 0].tolist() == [2.0, 1.0, 2.0]
@@ -225,7 +225,7 @@ def test_histories_reach_the_transition_intact():
         ITEMS[:1],
         engine=CountingEngine(),
         num_generations=1,
-        params=SamplingParams(),
+        params=[SamplingParams()] * 2,
         num_turns=3,
     )
     assert histories[0].prompts == [["p0"], ["p0"]] and histories[0].responses == [["a0s0"], ["a1s0"]]
@@ -279,7 +279,7 @@ def test_transition_returning_the_wrong_number_of_prompts():
             ITEMS[:1],
             engine=CountingEngine(),
             num_generations=1,
-            params=SamplingParams(),
+            params=[SamplingParams()] * 2,
             num_turns=2,
         )
 

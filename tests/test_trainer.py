@@ -190,6 +190,72 @@ def test_zero_advantage_fraction_explains_a_zero_loss(qwen_bpe):
     assert metrics["agent_0/loss"] == 0.0 and metrics["agent_0/grad_norm"] == 0.0
 
 
+def test_agent_settings_give_each_agent_its_sampling_micro_batches_and_learning_rate(qwen_bpe, llama_word):
+    settings = [
+        {"max_new_tokens": 2, "temperature": 0.5, "micro_batch_size": 1, "learning_rate": 0.25},
+        {"min_new_tokens": 6, "top_k": 3},
+    ]
+    trainer = MAGRPOTrainer(
+        agents=[qwen_bpe, llama_word],
+        train_dataset=DATA,
+        reward_func=length_reward,
+        args=small_args(agent_settings=settings, num_iterations=2),
+    )
+    sampled, scored = {}, {0: [], 1: []}
+    generate = trainer.engine.generate
+
+    def recording_generate(agent, prompts, num_generations, params):
+        sampled[trainer.team.agents.index(agent)] = params
+        return generate(agent, prompts, num_generations, params)
+
+    trainer.engine.generate = recording_generate
+    for i, agent in enumerate(trainer.team):
+        logprobs = agent.completion_logprobs
+
+        def recording_logprobs(prompt_ids, prompt_mask, ids, mask, temperature, i=i, logprobs=logprobs, **kw):
+            scored[i].append((len(ids), temperature))
+            return logprobs(prompt_ids, prompt_mask, ids, mask, temperature, **kw)
+
+        agent.completion_logprobs = recording_logprobs
+    metrics, samples = trainer.training_step(DATA[:2])
+    assert (sampled[0].max_new_tokens, sampled[0].temperature, sampled[0].top_k) == (2, 0.5, None)
+    assert (sampled[1].max_new_tokens, sampled[1].min_new_tokens, sampled[1].top_k) == (6, 6, 3)
+    assert sampled[1].temperature == 1.0
+    assert metrics["agent_0/completion_length"] <= 2 and metrics["agent_1/completion_length"] == 6
+    # Old log-probs and two iterations: every pass scores at the agent's temperature, in its micro-batches.
+    assert scored[0] == [(1, 0.5)] * 6 * 3 and scored[1] == [(6, 1.0)] * 3
+    assert [o.param_groups[0]["lr"] for o in trainer.optimizers] == [0.25, 1e-3]
+
+
+def test_agent_settings_errors(qwen_bpe):
+    with pytest.raises(
+        ConfigError, match=r"agent_settings\[1\]: \['beta'\] cannot be set per agent; choose from"
+    ):
+        small_args(agent_settings=[{}, {"beta": 0.1}])
+    with pytest.raises(
+        ConfigError, match=r"^agent_settings\[0\]: temperature=0: must be a finite number > 0$"
+    ):
+        small_args(agent_settings=[{"temperature": 0}, {}])
+    with pytest.raises(
+        ConfigError, match=r"agent_settings\[0\]: min_new_tokens=9 > max_new_tokens=6: lower min_new_tokens"
+    ):
+        small_args(agent_settings=[{"min_new_tokens": 9}])
+    with pytest.raises(ConfigError, match="give a list with one dict per agent"):
+        small_args(agent_settings={"temperature": 0.5})
+    with pytest.raises(ConfigError, match="share_weights=True trains one model with one optimizer"):
+        small_args(share_weights=True, agent_settings=[{"learning_rate": 0.1}, {}])
+    with pytest.raises(
+        ConfigError, match=r"agent_settings has 1 entries for 2 agents: give one dict per agent"
+    ):
+        MAGRPOTrainer(
+            model=qwen_bpe,
+            num_agents=2,
+            train_dataset=DATA,
+            reward_func=length_reward,
+            args=small_args(agent_settings=[{}]),
+        )
+
+
 def test_cross_mode_credits_the_mean_over_joint_actions(qwen_bpe):
     trainer = MAGRPOTrainer(
         model=qwen_bpe,
@@ -415,7 +481,9 @@ def test_agents_generate_concurrently_when_given_a_pool():
             return agent
 
     with ThreadPoolExecutor(max_workers=2) as pool:
-        assert generate_all(WaitingEngine(), ["a0", "a1"], [["p"], ["p"]], 1, SamplingParams(), pool) == [
+        assert generate_all(
+            WaitingEngine(), ["a0", "a1"], [["p"], ["p"]], 1, [SamplingParams()] * 2, pool
+        ) == [
             "a0",
             "a1",
         ]

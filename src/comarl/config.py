@@ -23,6 +23,17 @@ def _help(text: str, **kwargs: Any) -> Any:
     return field(metadata={"help": text}, **kwargs)
 
 
+# What agent_settings may set per agent: sampling, the update's micro-batches and the learning rate.
+AGENT_SETTINGS = (
+    "learning_rate",
+    "temperature",
+    "top_p",
+    "top_k",
+    "max_new_tokens",
+    "min_new_tokens",
+    "micro_batch_size",
+    "micro_batch_tokens",
+)
 JOINT_MODES = ("aligned", "cross")
 REWARD_CALLS = ("per_joint_action", "batched")
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -178,6 +189,14 @@ class MAGRPOConfig:
     beta: float = _help(
         "Weight of the k3 KL penalty to a frozen copy of each initial agent (0 = no reference model).",
         default=0.0,
+    )
+
+    agent_settings: list[dict[str, Any]] | None = _help(
+        "Per-agent overrides, one dict per agent ({} keeps the shared values), of: "
+        + ", ".join(AGENT_SETTINGS)
+        + ". E.g. a helper that answers briefly and a main agent that samples cooler: "
+        "[{max_new_tokens: 64}, {temperature: 0.7}]. Each agent's log-probs use its own temperature.",
+        default=None,
     )
 
     # --- which agents learn
@@ -457,6 +476,39 @@ class MAGRPOConfig:
             raise ConfigError(f"max_children={self.max_children}: must be >= 1 (or None for all)")
         if self.max_nodes < 1:
             raise ConfigError(f"max_nodes={self.max_nodes}: must be >= 1")
+        self._validate_agent_settings()
+
+    def for_agent(self, i: int) -> MAGRPOConfig:
+        """This config with agent ``i``'s ``agent_settings`` applied (the config itself when there are none)."""
+        if not self.agent_settings:
+            return self
+        try:
+            return dataclasses.replace(self, **self.agent_settings[i], agent_settings=None)
+        except ConfigError as e:
+            raise ConfigError(f"agent_settings[{i}]: {e}") from None
+
+    def _validate_agent_settings(self) -> None:
+        if self.agent_settings is None:
+            return
+        if not isinstance(self.agent_settings, list) or not all(
+            isinstance(d, dict) for d in self.agent_settings
+        ):
+            raise ConfigError(
+                f"agent_settings={self.agent_settings!r}: give a list with one dict per agent, e.g. "
+                "[{'max_new_tokens': 64}, {}]"
+            )
+        for i, settings in enumerate(self.agent_settings):
+            unknown = sorted(set(settings) - set(AGENT_SETTINGS))
+            if unknown:
+                raise ConfigError(
+                    f"agent_settings[{i}]: {unknown} cannot be set per agent; choose from {list(AGENT_SETTINGS)}"
+                )
+            self.for_agent(i)  # each agent's values pass the same checks as the shared ones
+        if self.share_weights and any("learning_rate" in d for d in self.agent_settings):
+            raise ConfigError(
+                "share_weights=True trains one model with one optimizer: set learning_rate, not a learning_rate in "
+                "agent_settings"
+            )
 
     def micro_batch_rows(self, rows: int, row_tokens: int) -> int:
         """Rows per forward/backward pass over ``rows`` rows of ``row_tokens`` padded tokens each.
@@ -485,6 +537,11 @@ class MAGRPOConfig:
         if self.num_agents is not None and self.num_agents != num_agents:
             raise ConfigError(
                 f"num_agents={self.num_agents} in the config, but the trainer was given {num_agents} agents"
+            )
+        if self.agent_settings is not None and len(self.agent_settings) != num_agents:
+            raise ConfigError(
+                f"agent_settings has {len(self.agent_settings)} entries for {num_agents} agents: give one dict per "
+                "agent ({} for an agent that keeps the shared values)"
             )
         wrong = [i for i in self.frozen_agents if not isinstance(i, int) or not 0 <= i < num_agents]
         if wrong:

@@ -86,10 +86,11 @@ class AgentParallel(_Processes):
         agents: Sequence[Any],
         prompts: Sequence[Sequence[Any]],
         num_generations: int,
-        params: Any,
+        params: Sequence[Any],
     ) -> list[Any]:
-        """This rank generates for its agent; every rank receives every agent's ``Generation`` (on the CPU)."""
-        own = engine.generate(agents[self.rank], prompts[self.rank], num_generations, params)
+        """This rank generates for its agent (sampling by ``params[rank]``); every rank receives every agent's
+        ``Generation`` (on the CPU)."""
+        own = engine.generate(agents[self.rank], prompts[self.rank], num_generations, params[self.rank])
         gathered = self.gather(_to_cpu(own))
         gathered[self.rank] = own
         return gathered

@@ -223,13 +223,19 @@ def play_episodes(
             items,
             engine=engine,
             num_generations=num_samples,
-            params=params,
+            params=[params] * len(agents),
             joint_mode="aligned",
         )
     else:  # independent episodes, not a tree: each item repeated, one answer per agent per turn
         repeated = [item for item in items for _ in range(num_samples)]
         rollout = collect(
-            env, agents, repeated, engine=engine, num_generations=1, params=params, num_turns=num_turns
+            env,
+            agents,
+            repeated,
+            engine=engine,
+            num_generations=1,
+            params=[params] * len(agents),
+            num_turns=num_turns,
         )
     return _episode_records(rollout, len(agents))
 

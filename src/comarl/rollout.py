@@ -101,18 +101,18 @@ def generate_all(
     agents: Sequence[Agent],
     prompts: Sequence[Sequence[Any]],
     num_generations: int,
-    params: SamplingParams,
+    params: Sequence[SamplingParams],
     pool: Any = None,
     parallel: AgentParallel | None = None,
 ) -> list[Generation]:
-    """One batched generate per agent: concurrent in threads when a pool is given (agents on separate devices),
-    or one agent per process when ``parallel`` is given (``comarl.distributed``)."""
+    """One batched generate per agent, agent i sampling by ``params[i]``: concurrent in threads when a pool is given
+    (agents on separate devices), or one agent per process when ``parallel`` is given (``comarl.distributed``)."""
     if parallel is not None:
         return parallel.generate_all(engine, agents, prompts, num_generations, params)
-    jobs = [(agent, prompts[i]) for i, agent in enumerate(agents)]
+    jobs = [(agent, prompts[i], params[i]) for i, agent in enumerate(agents)]
     if pool is None:
-        return [engine.generate(a, p, num_generations, params) for a, p in jobs]
-    futures = [pool.submit(engine.generate, a, p, num_generations, params) for a, p in jobs]
+        return [engine.generate(a, p, num_generations, sp) for a, p, sp in jobs]
+    futures = [pool.submit(engine.generate, a, p, num_generations, sp) for a, p, sp in jobs]
     return [f.result() for f in futures]
 
 
@@ -123,7 +123,7 @@ def collect(
     *,
     engine: HFEngine,
     num_generations: int,
-    params: SamplingParams,
+    params: Sequence[SamplingParams],
     joint_mode: str = "aligned",
     max_joint_actions: int | None = None,
     num_turns: int = 1,
@@ -138,7 +138,7 @@ def collect(
     """Play every item as a tree of turns and credit each completion with its return.
 
     Turn by turn, every node of every item (siblings included) is generated in one batched call
-    per agent. Each node's joint actions go to the environment in one ``step_many``; a joint
+    per agent, agent i sampling by ``params[i]``. Each node's joint actions go to the environment in one ``step_many``; a joint
     action whose episode is not done gets a child node for the next turn, unless the turn limit
     is reached, the node's mean team reward exceeds ``early_termination_threshold`` (off by
     default), or the branch is not among the ``max_children`` sampled for expansion.
@@ -263,7 +263,7 @@ def greedy_returns(
     rollout: Rollout,
     *,
     engine: HFEngine,
-    params: SamplingParams,
+    params: Sequence[SamplingParams],
     num_turns: int = 1,
     discount: float = 1.0,
     pool: Any = None,
@@ -271,7 +271,7 @@ def greedy_returns(
 ) -> tuple[torch.Tensor, float]:
     """The return of the team's greedy play from every node of ``rollout``: ``[num_nodes, N]`` (ReMax baseline).
 
-    From node ``n`` at turn ``t`` every agent answers greedily (``params`` with ``do_sample=False``),
+    From node ``n`` at turn ``t`` every agent answers greedily (``params[i]`` with ``do_sample=False``),
     the environment steps, and the team goes on greedily until the episode is done or the turn limit:
 
         b[n] = sum_{s >= 0} gamma^s * r_{t+s}(greedy path from n)

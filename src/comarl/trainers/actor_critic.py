@@ -91,8 +91,8 @@ class ActorCriticTrainer(MAGRPOTrainer):
             ]
             # The head trains with its agent (same forward, same optimizer step), at the critic's learning rate.
             self.optimizers = [
-                self._optimizer(agent, head) if i in self.local else None
-                for i, (agent, head) in enumerate(zip(self.team, self.value_heads))
+                self._optimizer(i, head) if i in self.local else None
+                for i, head in enumerate(self.value_heads)
             ]
             self.schedulers = [self._schedule(opt) if opt is not None else None for opt in self.optimizers]
         self.critic_optimizers = [
@@ -198,7 +198,7 @@ class ActorCriticTrainer(MAGRPOTrainer):
         old_values: torch.Tensor,
     ) -> dict[str, float]:
         """``num_iterations`` epochs of ``num_mini_batches`` clipped steps for agent ``i`` (and its value head)."""
-        args, agent, optimizer = self.args, self.team[i], self.optimizers[i]
+        args, agent, optimizer = self.agent_args[i], self.team[i], self.optimizers[i]
         head = self.value_heads[i] if self.value_heads is not None else None
         device = agent.device
         advantages, value_targets, old_values = (
@@ -211,8 +211,8 @@ class ActorCriticTrainer(MAGRPOTrainer):
         # Behaviour and reference log-probs under no_grad, only when the loss needs them.
         batches = [slice(s, s + micro) for s in range(0, M, micro)]
         reused = args.num_iterations * args.num_mini_batches > 1
-        old_logp = self._logprobs(agent, gen, batches) if reused else None
-        ref = self._logprobs(agent, gen, batches, self.references[i]) if self.references is not None else None
+        old_logp = self._logprobs(i, gen, batches) if reused else None
+        ref = self._logprobs(i, gen, batches, self.references[i]) if self.references is not None else None
         for _ in range(args.num_iterations):
             totals = dict.fromkeys(("loss", "value_loss", "clip_fraction", "approx_kl", "entropy", "kl"), 0.0)
             for batch, rows in self._mini_batches(M, self.actor_shuffles[i]):
@@ -433,8 +433,8 @@ class ActorCriticTrainer(MAGRPOTrainer):
         optimizer.zero_grad(set_to_none=True)
         return grad_norm
 
-    def _optimizer(self, agent: Any, head: ValueHead | None = None) -> torch.optim.Optimizer:
-        optimizer = super()._optimizer(agent)
+    def _optimizer(self, i: int, head: ValueHead | None = None) -> torch.optim.Optimizer:
+        optimizer = super()._optimizer(i)
         if head is not None:
             optimizer.add_param_group(
                 {"params": list(head.parameters()), "lr": self.args.critic_learning_rate}

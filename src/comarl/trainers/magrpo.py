@@ -86,6 +86,8 @@ class MAGRPOTrainer:
                 f"{type(self).__name__}: train_dataset is required (a datasets.Dataset or a list of dicts)"
             )
         args.check_team(n, len(train_dataset))
+        # Each agent's view of the config: the shared values with its agent_settings applied.
+        self.agent_args = [args.for_agent(i) for i in range(n)]
         if formatters is None and all(isinstance(s, Agent) and s.formatter is not None for s in sources):
             formatters = [s.formatter for s in sources]
         if env is None:
@@ -210,14 +212,12 @@ class MAGRPOTrainer:
         )
         self.total_steps = args.total_steps(len(train_dataset))
         if args.share_weights:  # one model: one optimizer, one schedule, one reference, held by every agent
-            optimizer = self._optimizer(self.team[0])
+            optimizer = self._optimizer(0)
             self.optimizers = [optimizer] * n
             self.schedulers = [self._schedule(optimizer)] * n
             self.references = [_reference(self.team[0].model)] * n if self._keeps_reference() else None
         else:
-            self.optimizers = [
-                self._optimizer(a) if i in self.local else None for i, a in enumerate(self.team)
-            ]
+            self.optimizers = [self._optimizer(i) if i in self.local else None for i in range(n)]
             self.schedulers = [self._schedule(opt) if opt is not None else None for opt in self.optimizers]
             self.references = (
                 [
@@ -360,16 +360,17 @@ class MAGRPOTrainer:
         t1 = time.perf_counter()
         metrics = rollout_metrics(rollout, self.data)
         advantages = []
+        learning = self.learning_agents()
         for i in range(self.num_agents):
             local, zero = self._advantages(
                 rollout.returns[i], None if greedy is None else greedy[i], rollout.depth
             )
             advantages.append(local)
-            # A completion with advantage 0 teaches nothing (all G samples of its group scored the same): at 1.0 the
-            # policy loss and its gradient are 0, which is the usual reason a run "does not learn".
-            metrics[f"agent_{i}/zero_advantage_fraction"] = zero
+            if i in learning:
+                # A completion with advantage 0 teaches nothing (all G samples of its group scored the same): at 1.0
+                # the policy loss and its gradient are 0, which is the usual reason a run "does not learn".
+                metrics[f"agent_{i}/zero_advantage_fraction"] = zero
         # Agents with their own weights update one by one; agents sharing one model (share_weights) together.
-        learning = self.learning_agents()
         groups = [learning] if args.share_weights and learning else [[i] for i in learning]
         for group in groups:
             updated = self.update_agents(
@@ -429,12 +430,14 @@ class MAGRPOTrainer:
         for i in agents:
             agent, gen = self.team[i], gens[i]
             M = gen.completion_ids.shape[0]
-            micro = args.micro_batch_rows(M, gen.prompt_ids.shape[1] + gen.completion_ids.shape[1])
+            micro = self.agent_args[i].micro_batch_rows(
+                M, gen.prompt_ids.shape[1] + gen.completion_ids.shape[1]
+            )
             batches = [slice(s, s + micro) for s in range(0, M, micro)]
             # Behaviour and reference log-probs only when the loss needs them.
-            old = self._logprobs(agent, gen, batches) if args.num_iterations > 1 else None
+            old = self._logprobs(i, gen, batches) if args.num_iterations > 1 else None
             refs = self.references
-            ref = self._logprobs(agent, gen, batches, refs[i]) if refs is not None else None
+            ref = self._logprobs(i, gen, batches, refs[i]) if refs is not None else None
             adv = advantages[i].to(agent.device)
             # The loss is normalised over the whole batch: every process's completions under data parallelism.
             size = (M, gen.num_tokens, float(adv.abs().sum()))
@@ -486,7 +489,7 @@ class MAGRPOTrainer:
     ) -> dict[str, float]:
         """Back-propagate agent ``i``'s clipped policy loss (+ KL), one micro-batch at a time; ``M`` completions and
         ``num_tokens`` tokens in the whole batch are the loss's normalisers."""
-        args, agent = self.args, self.team[i]
+        args, agent = self.agent_args[i], self.team[i]
         totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0}
         for sl in batches:
             mask = gen.completion_mask[sl]
@@ -666,15 +669,17 @@ class MAGRPOTrainer:
             "early_termination_threshold": a.early_termination_threshold,
         }
 
-    def _sampling(self, do_sample: bool = True) -> SamplingParams:
-        a = self.args
-        return SamplingParams(a.max_new_tokens, a.min_new_tokens, a.temperature, a.top_p, a.top_k, do_sample)
+    def _sampling(self, do_sample: bool = True) -> list[SamplingParams]:
+        """How each agent samples (its agent_settings over the shared values)."""
+        return [
+            SamplingParams(a.max_new_tokens, a.min_new_tokens, a.temperature, a.top_p, a.top_k, do_sample)
+            for a in self.agent_args
+        ]
 
     @torch.no_grad()
-    def _logprobs(
-        self, agent: Agent, gen: Generation, batches: list[slice], model: Any = None
-    ) -> torch.Tensor:
-        parts = []
+    def _logprobs(self, i: int, gen: Generation, batches: list[slice], model: Any = None) -> torch.Tensor:
+        """Agent ``i``'s token log-probs of ``gen`` at its sampling temperature (``model``: e.g. its reference)."""
+        agent, parts = self.team[i], []
         for sl in batches:
             with self._autocast(agent.device):
                 parts.append(
@@ -683,7 +688,7 @@ class MAGRPOTrainer:
                         gen.prompt_mask[sl],
                         gen.completion_ids[sl],
                         gen.completion_mask[sl],
-                        self.args.temperature,
+                        self.agent_args[i].temperature,
                         model=model,
                     )
                 )
@@ -694,9 +699,11 @@ class MAGRPOTrainer:
             return torch.autocast("cuda", dtype=torch.bfloat16)
         return nullcontext()
 
-    def _optimizer(self, agent: Agent) -> torch.optim.Optimizer:
-        a = self.args
-        lr = agent.learning_rate if agent.learning_rate is not None else a.learning_rate
+    def _optimizer(self, i: int) -> torch.optim.Optimizer:
+        """AdamW over agent ``i``'s trainable parameters at its learning rate: the Agent's own if it has one, else
+        its agent_settings', else the config's."""
+        a, agent = self.args, self.team[i]
+        lr = agent.learning_rate if agent.learning_rate is not None else self.agent_args[i].learning_rate
         params = [p for p in agent.model.parameters() if p.requires_grad]
         return torch.optim.AdamW(
             params,

@@ -127,7 +127,7 @@ class MADPOTrainer(MAGRPOTrainer):
             if ref is not None and ref[i] is not None:
                 ref_logp[i] = ref[i][rows]
             elif self.references is not None:
-                ref_logp[i] = self._sequence_logprobs(self.team[i], generations[i], rows, self.references[i])
+                ref_logp[i] = self._sequence_logprobs(i, generations[i], rows, self.references[i])
             else:
                 ref_logp[i] = torch.zeros(len(rows))
         metrics: dict[str, float] = {}
@@ -135,7 +135,7 @@ class MADPOTrainer(MAGRPOTrainer):
             margins: dict[int, torch.Tensor] = {i: torch.zeros(P) for i in fixed}
             rewards = {}
             for i in scored:
-                logp = self._sequence_logprobs(self.team[i], generations[i], rows)
+                logp = self._sequence_logprobs(i, generations[i], rows)
                 margins[i] = dpo_margins(
                     logp[win], logp[lose], ref_logp[i][win], ref_logp[i][lose], args.dpo_beta
                 )
@@ -173,7 +173,7 @@ class MADPOTrainer(MAGRPOTrainer):
     ) -> dict[str, float]:
         """One optimizer step of agent ``i`` on ``sum_r weight_r log pi_i(row r)``, whose gradient is the DPO
         loss's (the weights are its derivative in each row's log-prob), one micro-batch at a time."""
-        args, agent = self.args, self.team[i]
+        args, agent = self.agent_args[i], self.team[i]
         weight = weight.to(agent.device)
         width = gen.prompt_ids.shape[1] + gen.completion_ids.shape[1]
         micro = args.micro_batch_rows(len(rows), width)
@@ -199,9 +199,7 @@ class MADPOTrainer(MAGRPOTrainer):
             team_rewards = rollout.rewards.mean(dim=-1)
             ref = (
                 {
-                    i: self._sequence_logprobs(
-                        self.team[i], rollout.generations[i], torch.arange(len(items) * K)
-                    )
+                    i: self._sequence_logprobs(i, rollout.generations[i], torch.arange(len(items) * K))
                     for i in self.local
                 }
                 if args.dpo_reference == "initial"
@@ -259,10 +257,11 @@ class MADPOTrainer(MAGRPOTrainer):
 
     @torch.no_grad()
     def _sequence_logprobs(
-        self, agent: Agent, gen: Generation, rows: torch.Tensor, model: Any = None
+        self, i: int, gen: Generation, rows: torch.Tensor, model: Any = None
     ) -> torch.Tensor:
-        """``_row_logprobs`` of ``rows`` without gradients, one micro-batch at a time, on the CPU."""
-        micro = self.args.micro_batch_rows(len(rows), gen.prompt_ids.shape[1] + gen.completion_ids.shape[1])
+        """Agent ``i``'s ``_row_logprobs`` of ``rows`` without gradients, one micro-batch at a time, on the CPU."""
+        agent, width = self.team[i], gen.prompt_ids.shape[1] + gen.completion_ids.shape[1]
+        micro = self.agent_args[i].micro_batch_rows(len(rows), width)
         parts = []
         for s in range(0, len(rows), micro):
             with self._autocast(agent.device):
