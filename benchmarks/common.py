@@ -44,6 +44,11 @@ def runner_args(description: str) -> argparse.Namespace:
         action="store_true",
         help="comarl only: one process per agent (launched by torchrun with --nproc-per-node=agents)",
     )
+    parser.add_argument(
+        "--bf16",
+        action="store_true",
+        help="comarl and TRL: bf16 autocast (bf16=True) instead of the workload's fp32; not what the targets compare",
+    )
     args = parser.parse_args()
     # Same intra-op threads for every library; set before torch is imported anywhere.
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
@@ -125,6 +130,7 @@ def report(
         "agents": args.agents,
         "prompts": expected_completions // (NUM_GENERATIONS * args.agents),
         "threads": args.threads,
+        "bf16": args.bf16,
         "completions": clock.completions,
         "tokens": clock.tokens,
         "seconds": round(clock.seconds, 4),

@@ -28,6 +28,10 @@ from common import (
 
 def main() -> None:
     args = runner_args(__doc__)
+    if args.bf16:
+        raise SystemExit(
+            "floor.py: --bf16 is for comarl and TRL only; this runner measures the fp32 workload"
+        )
     set_threads(args.threads)
     started = time.perf_counter()
     import torch

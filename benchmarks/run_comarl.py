@@ -44,6 +44,7 @@ def build_trainer(args: Any, prompts: list[dict[str, str]]) -> Any:
         shuffle=False,
         agent_devices="cpu",
         agent_parallel=args.agent_parallel,
+        bf16=args.bf16,
     )
     trainer = MAGRPOTrainer(
         model=model_path(args.workload),

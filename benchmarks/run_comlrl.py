@@ -27,6 +27,10 @@ from common import (
 
 def main() -> None:
     args = runner_args(__doc__)
+    if args.bf16:
+        raise SystemExit(
+            "run_comlrl.py: --bf16 is for comarl and TRL only; this runner measures the fp32 workload"
+        )
     set_threads(args.threads)
     started = time.perf_counter()
     from comlrl.trainers.reinforce import MAGRPOConfig, MAGRPOTrainer

@@ -58,7 +58,7 @@ def main() -> None:
         learning_rate=LEARNING_RATE,
         num_train_epochs=1,
         beta=0.0,
-        bf16=False,
+        bf16=args.bf16,
         use_cpu=True,
         shuffle_dataset=False,
         logging_steps=10**6,

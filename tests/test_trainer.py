@@ -256,6 +256,26 @@ def test_agent_settings_errors(qwen_bpe):
         )
 
 
+@pytest.mark.parametrize("bf16", [False, True])
+def test_bf16_autocasts_generation_and_the_update_while_weights_stay_fp32(qwen_bpe, bf16):
+    trainer = MAGRPOTrainer(
+        model=qwen_bpe,
+        num_agents=1,
+        train_dataset=DATA,
+        reward_func=lambda c: [len(x) for x in c],
+        args=small_args(bf16=bf16),
+    )
+    model = trainer.team[0].model
+    before = _snapshot(model)
+    seen = []  # (gradients on: the update; off: generation, logits dtype)
+    model.lm_head.register_forward_hook(lambda m, i, out: seen.append((torch.is_grad_enabled(), out.dtype)))
+    trainer.training_step(DATA[:2])
+    assert {grad for grad, _ in seen} == {False, True}
+    assert {dtype for _, dtype in seen} == {torch.bfloat16 if bf16 else torch.float32}
+    assert all(p.dtype == torch.float32 for p in model.parameters())  # the AdamW master weights
+    assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
+
+
 def test_cross_mode_credits_the_mean_over_joint_actions(qwen_bpe):
     trainer = MAGRPOTrainer(
         model=qwen_bpe,

@@ -255,7 +255,9 @@ class MAGRPOConfig:
         default=False,
     )
     bf16: bool = _help(
-        "bf16 autocast for forward passes on GPU; weights and AdamW states stay fp32.", default=False
+        "bf16 autocast for generation and training forwards (GPU or CPU); weights and AdamW states stay fp32. On CPU "
+        "it pays only where the CPU has bf16 instructions (AVX512-BF16, AMX).",
+        default=False,
     )
     lora_r: int | None = _help(
         "LoRA rank: train low-rank adapters (peft) on every agent instead of all its weights; the KL reference is "

@@ -50,8 +50,13 @@ class HFEngine:
 
     Each distinct prompt is run through the model once and its KV cache copied to its G samples
     (``model.generate`` would run every prompt G times), then :func:`sample_completions` draws
-    all rows together, one forward per new token.
+    all rows together, one forward per new token. With ``bf16=True`` the whole call runs under bf16
+    autocast (CPU or CUDA), the precision the trainer then scores the samples in: the fp32 weights
+    are cast once per call (autocast's cache), and decoding reads half the bytes.
     """
+
+    def __init__(self, bf16: bool = False) -> None:
+        self.bf16 = bf16
 
     @torch.no_grad()
     def generate(
@@ -61,16 +66,20 @@ class HFEngine:
         prompt_ids, prompt_mask = agent.encode(prompts)
         was_training = agent.model.training
         agent.model.eval()
+        device = prompt_ids.device.type
         try:
-            completion_ids = sample_completions(
-                agent.model,
-                prompt_ids,
-                prompt_mask,
-                num_generations,
-                params,
-                agent.eos_token_ids,
-                tok.pad_token_id,
-            )
+            with torch.autocast(
+                device, dtype=torch.bfloat16, enabled=self.bf16 and device in ("cuda", "cpu")
+            ):
+                completion_ids = sample_completions(
+                    agent.model,
+                    prompt_ids,
+                    prompt_mask,
+                    num_generations,
+                    params,
+                    agent.eos_token_ids,
+                    tok.pad_token_id,
+                )
         finally:
             agent.model.train(was_training)
         mask = completion_mask(completion_ids, agent.eos_token_ids)

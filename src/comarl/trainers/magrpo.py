@@ -202,7 +202,7 @@ class MAGRPOTrainer:
             if args.gradient_checkpointing:
                 agent.model.gradient_checkpointing_enable()
             agent.model.train()
-        self.engine = HFEngine()
+        self.engine = HFEngine(bf16=args.bf16)
         distinct = {str(self.team[i].device) for i in self.local}
         # Agents on separate accelerators generate concurrently; on one device they take turns.
         self.pool = (
@@ -695,8 +695,9 @@ class MAGRPOTrainer:
         return torch.cat(parts)
 
     def _autocast(self, device: torch.device):  # noqa: ANN202
-        if self.args.bf16 and device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
+        """bf16 autocast of a training forward on ``device`` when ``bf16=True`` (generation: ``HFEngine(bf16=)``)."""
+        if self.args.bf16 and device.type in ("cuda", "cpu"):
+            return torch.autocast(device.type, dtype=torch.bfloat16)
         return nullcontext()
 
     def _optimizer(self, i: int) -> torch.optim.Optimizer:
