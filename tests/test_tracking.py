@@ -1,6 +1,8 @@
 import json
+import os
 import subprocess
 import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -182,11 +184,31 @@ def test_wandb_sink_runs_offline(qwen_bpe, tmp_path, monkeypatch):
     assert len(runs) == 1 and list(runs[0].glob("run-*.wandb"))[0].stat().st_size > 0
 
 
+def test_trackio_sink_logs_every_step(qwen_bpe, tmp_path):
+    """The real trackio package, storing into TRACKIO_DIR (read when trackio is imported: a fresh process)."""
+    script = f"""
+import torch
+torch.set_num_threads(1)
+from tests.test_tracking import _sink_trainer
+_sink_trainer({qwen_bpe!r}, report_to=["trackio"], trackio_project="sink-check", run_name="r1").train()
+from trackio.sqlite_storage import SQLiteStorage
+logs = SQLiteStorage.get_logs("sink-check", "r1")
+print([row["step"] for row in logs if "reward" in row], sorted(k for k in logs[-1] if k.startswith("agent_1/"))[:2])
+"""
+    env = dict(os.environ, TRACKIO_DIR=str(tmp_path), PYTHONPATH=str(Path(__file__).parent.parent))
+    done = subprocess.run(
+        [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
+    )
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "[1, 2] ['agent_1/advantage_abs', 'agent_1/clip_fraction']"
+
+
 def test_report_to_is_checked():
     from comarl import ConfigError, MAGRPOConfig
 
     with pytest.raises(ConfigError, match=r"report_to=\['mlflow'\]: unknown \['mlflow'\]"):
         MAGRPOConfig(report_to=["mlflow"])
+    assert MAGRPOConfig(report_to="trackio").report_to == ["trackio"]
     with pytest.raises(ConfigError, match=r"report_to=\['tensorboard'\] writes into output_dir/tensorboard"):
         MAGRPOConfig(report_to="tensorboard")
     assert MAGRPOConfig(report_to="none").report_to == []

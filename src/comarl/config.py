@@ -224,13 +224,17 @@ class MAGRPOConfig:
     )
     progress_bar: bool = _help("Show a progress bar with the live reward.", default=True)
     report_to: list[str] = _help(
-        "Metric sinks besides metrics.jsonl: 'tensorboard' (output_dir/tensorboard) and/or 'wandb'.",
+        "Metric sinks besides metrics.jsonl: 'tensorboard' (output_dir/tensorboard), 'wandb' and/or 'trackio'.",
         default_factory=list,
     )
     run_name: str | None = _help(
-        "Run name for the sinks (W&B run name); None = the sink's default.", default=None
+        "Run name for the sinks (W&B and trackio run name); None = the sink's default.", default=None
     )
     wandb_project: str = _help("W&B project when report_to has 'wandb'.", default="comarl")
+    trackio_project: str = _help(
+        "trackio project when report_to has 'trackio' (stored locally; `trackio show` opens the dashboard).",
+        default="comarl",
+    )
     save_steps: int = _help(
         "Write a resumable checkpoint (weights, optimizers, schedulers, RNG streams, step) every this many steps "
         "into output_dir/checkpoints/ (0 = none). Resume with train(resume_from_checkpoint=True).",
@@ -411,10 +415,10 @@ class MAGRPOConfig:
             )
         if isinstance(self.report_to, str):  # report_to="wandb" / "none", as in transformers
             self.report_to = [] if self.report_to == "none" else [self.report_to]
-        unknown = [sink for sink in self.report_to if sink not in ("tensorboard", "wandb")]
+        unknown = [sink for sink in self.report_to if sink not in ("tensorboard", "wandb", "trackio")]
         if unknown:
             raise ConfigError(
-                f"report_to={self.report_to!r}: unknown {unknown}; choose from ['tensorboard', 'wandb']"
+                f"report_to={self.report_to!r}: unknown {unknown}; choose from ['tensorboard', 'wandb', 'trackio']"
             )
         if "tensorboard" in self.report_to and self.output_dir is None:
             raise ConfigError("report_to=['tensorboard'] writes into output_dir/tensorboard; set output_dir=")

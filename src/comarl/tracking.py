@@ -77,6 +77,24 @@ class WandbSink:
         self.run.finish()
 
 
+class TrackioSink:
+    """Metrics to a trackio run (local-first, W&B-like API); ``init`` holds ``trackio.init`` arguments."""
+
+    def __init__(self, init: dict[str, Any]) -> None:
+        try:
+            import trackio
+        except ImportError as error:
+            raise ImportError("report_to=['trackio'] needs trackio: pip install 'comarl[trackio]'") from error
+        self.trackio = trackio
+        trackio.init(**init)
+
+    def log(self, step: int, metrics: dict[str, float]) -> None:
+        self.trackio.log(metrics, step=step)
+
+    def close(self) -> None:
+        self.trackio.finish()
+
+
 class RunLogger:
     """Write metrics and samples to a run folder and show training progress on the console.
 

@@ -734,8 +734,8 @@ class MAGRPOTrainer:
         return samples
 
     def _sinks(self, run_dir: Path | None) -> list[Any]:
-        """The metric sinks of ``report_to``: TensorBoard in ``run_dir/tensorboard``, a W&B run."""
-        from comarl.tracking import TensorBoardSink, WandbSink
+        """The metric sinks of ``report_to``: TensorBoard in ``run_dir/tensorboard``, a W&B run, a trackio run."""
+        from comarl.tracking import TensorBoardSink, TrackioSink, WandbSink
 
         args, sinks = self.args, []
         if "tensorboard" in args.report_to:
@@ -751,6 +751,12 @@ class MAGRPOTrainer:
             if "dir" not in init and run_dir is not None:
                 init["dir"] = str(run_dir)
             sinks.append(WandbSink(init))
+        if "trackio" in args.report_to:
+            sinks.append(
+                TrackioSink(
+                    {"project": args.trackio_project, "name": args.run_name, "config": args.to_dict()}
+                )
+            )
         return sinks
 
     def _write_config(self, run_dir: Path) -> None:
