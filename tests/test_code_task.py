@@ -443,7 +443,11 @@ def test_example_run_specs_are_valid(name):
     from comarl.config import load_run_spec
 
     spec = load_run_spec(Path(__file__).parent.parent / "examples" / name, [])
-    assert spec.task in ("code", "writing") and spec.trainer_args().max_new_tokens >= 160
+    args = spec.trainer_args()
+    assert spec.task in ("code", "writing") and args.max_new_tokens >= 160
+    assert [args.for_agent(i).max_new_tokens for i in range(2)] == (
+        [128, 256] if spec.task == "code" else [160, 160]
+    )
 
 
 def test_cli_trains_a_tiny_team_on_humaneval(tmp_path, capsys):
