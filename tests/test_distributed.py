@@ -24,8 +24,8 @@ def two_word_reward(a, b):
 
 
 def run_args(**kw) -> dict:
-    # top_k=1: sampling is the argmax, so both launches see the same completions whatever their RNG streams;
-    # MAREINFORCE's raw-return advantages are non-zero without sampling noise.
+    # top_k=1: sampling is the argmax, so data shards (which draw from streams of their own) see the same
+    # completions as one process; MAREINFORCE's raw-return advantages are non-zero without sampling noise.
     base = dict(
         prompts_per_step=2,
         num_generations=2,
@@ -109,8 +109,10 @@ def _launch(
 def test_two_processes_train_what_one_process_trains(
     qwen_bpe, llama_word, tmp_path, trainer, overrides, saved, one_thread
 ):
-    """Same rewards, per-agent (and critic) metrics, evaluation and saved weights as one process."""
+    """Same rewards, per-agent (and critic) metrics, evaluation and saved weights as one process, with real
+    sampling: every agent draws from its own generator, in one process or in its own."""
     agents = [qwen_bpe, llama_word]
+    overrides = {"top_k": None, **overrides}
     single = getattr(comarl, f"{trainer}Trainer")(
         agents=agents,
         train_dataset=DATA,

@@ -54,6 +54,8 @@ class Agent:
         self.formatter = formatter
         self.learning_rate = learning_rate
         self.source = source
+        # This agent's own sampling stream (the trainer seeds it); None samples from torch's global stream.
+        self.generator: torch.Generator | None = None
         if device is not None:
             self.model.to(device)
         for module in self.model.modules():

@@ -79,6 +79,7 @@ class HFEngine:
                     params,
                     agent.eos_token_ids,
                     tok.pad_token_id,
+                    agent.generator,
                 )
         finally:
             agent.model.train(was_training)
@@ -106,13 +107,15 @@ def sample_completions(
     params: SamplingParams,
     eos_token_ids: Sequence[int],
     pad_token_id: int,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """Completion ids ``[B * G, T]`` (row ``b * G + j`` = sample j of prompt b) from left-padded prompts ``[B, P]``.
 
     One prefill over the B prompts, the KV cache repeated G times, then one forward per new token
     over all rows. Row r stops at its first EOS (later positions hold ``pad_token_id``); the loop
     ends when every row has stopped or after ``max_new_tokens``. Position ids follow the attention
-    mask, as in ``model.generate`` with left padding. Tokens are drawn by :func:`next_tokens`.
+    mask, as in ``model.generate`` with left padding. Tokens are drawn by :func:`next_tokens`, from
+    ``generator`` (torch's global stream when None).
     """
     from transformers import DynamicCache
 
@@ -139,7 +142,7 @@ def sample_completions(
     tokens = torch.full((rows, T), pad_token_id, dtype=prompt_ids.dtype, device=device)
     running = torch.ones(rows, dtype=torch.bool, device=device)
     for t in range(T):
-        chosen = next_tokens(logits, params, eos, suppress_eos=t < params.min_new_tokens)
+        chosen = next_tokens(logits, params, eos, suppress_eos=t < params.min_new_tokens, generator=generator)
         tokens[:, t] = torch.where(running, chosen, pad_token_id)
         running &= ~torch.isin(chosen, eos)
         # One host sync per step, as generate's stopping check: stop once every row has ended.
@@ -156,7 +159,11 @@ def sample_completions(
 
 
 def next_tokens(
-    logits: torch.Tensor, params: SamplingParams, eos: torch.Tensor, suppress_eos: bool = False
+    logits: torch.Tensor,
+    params: SamplingParams,
+    eos: torch.Tensor,
+    suppress_eos: bool = False,
+    generator: torch.Generator | None = None,
 ) -> torch.Tensor:
     """One token per row from next-token ``logits[rows, V]``: the argmax, or a draw from :func:`sampling_scores`.
 
@@ -169,7 +176,9 @@ def next_tokens(
     if not params.do_sample:
         return scores.argmax(dim=-1)
     cdf = scores.softmax(dim=-1).cumsum(dim=-1)
-    u = (1 - torch.rand(cdf.shape[0], 1, device=cdf.device, dtype=cdf.dtype)) * cdf[:, -1:]
+    u = (1 - torch.rand(cdf.shape[0], 1, device=cdf.device, dtype=cdf.dtype, generator=generator)) * cdf[
+        :, -1:
+    ]
     return torch.searchsorted(cdf, u).squeeze(1)
 
 

@@ -135,9 +135,9 @@ class MAGRPOTrainer:
         self.parallel = AgentParallel(n) if args.agent_parallel else None
         self.local = [self.parallel.rank] if self.parallel is not None else list(range(n))
         if self.parallel is not None and self.parallel.rank > 0:
-            # Each process samples its agent from its own torch stream: equal seeds would hand every agent the
-            # same random numbers, a shared-randomness channel a Dec-POMDP team must not have. (Python's and
-            # NumPy's streams stay equal: environments may draw from them, and every process steps one.)
+            # Agents sample from their own generators (below); the processes' global torch streams differ too, so
+            # that no other random numbers are shared between agents. (Python's and NumPy's streams stay equal:
+            # environments may draw from them, and every process steps one.)
             torch.manual_seed(args.seed + self.parallel.rank)
         if self.parallel is not None:
             devices[self.parallel.rank] = self.parallel.device(devices)
@@ -149,7 +149,9 @@ class MAGRPOTrainer:
                     f"data_parallel=True: prompts_per_step={args.prompts_per_step} must be a multiple of the "
                     f"{self.data.world_size} processes (each takes an equal shard)"
                 )
-            if self.data.rank > 0:  # each shard samples its own completions
+            if (
+                self.data.rank > 0
+            ):  # shards draw their own random numbers (sampling: per-shard agent generators)
                 torch.manual_seed(args.seed + self.data.rank)
             devices = self.data.device(devices)
         # The processes of this run (either launch mode), for the run folder and checkpoints.
@@ -202,6 +204,11 @@ class MAGRPOTrainer:
             if args.gradient_checkpointing:
                 agent.model.gradient_checkpointing_enable()
             agent.model.train()
+            # Each agent samples from its own stream, seeded by its index: the same draws whether the team runs in
+            # one process or one process per agent, and no random numbers shared between agents. Data shards
+            # draw from streams of their own.
+            shard = self.data.rank if self.data is not None else 0
+            agent.generator = torch.Generator(agent.device).manual_seed(args.seed + 200 + i + 1000 * shard)
         self.engine = HFEngine(bf16=args.bf16)
         distinct = {str(self.team[i].device) for i in self.local}
         # Agents on separate accelerators generate concurrently; on one device they take turns.
@@ -570,6 +577,7 @@ class MAGRPOTrainer:
                     "model": self.team[i].model.state_dict(),
                     "optimizer": self.optimizers[i].state_dict(),
                     "scheduler": self.schedulers[i].state_dict(),
+                    "sampling": self.team[i].generator.get_state(),
                 }
                 for i in self.local
             },
@@ -587,6 +595,7 @@ class MAGRPOTrainer:
             self.team[i].model.load_state_dict(part["model"])
             self.optimizers[i].load_state_dict(part["optimizer"])
             self.schedulers[i].load_state_dict(part["scheduler"])
+            self.team[i].generator.set_state(part["sampling"])
         self.joint_generator.set_state(state["joint_generator"])
 
     def save_model(self, output_dir: str | Path) -> None:
