@@ -143,6 +143,13 @@ def test_the_plan_follows_lora_shared_bases_frozen_agents_and_critics(qwen_bpe):
     assert set(plan) == {"agent 0", "agent 1", "centralized critic"}
 
 
+def test_a_config_that_cannot_be_read_here_is_not_counted(tmp_path):
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "no-such-architecture"}))
+    assert model_size(tmp_path) is None and model_size(tmp_path / "missing") is None
+    with pytest.raises(ValueError, match="no-such-architecture"):  # loading, not the check, reports it
+        MAGRPOTrainer(model=str(tmp_path), num_agents=2, train_dataset=DATA, reward_func=reward, args=args())
+
+
 def test_model_objects_are_not_planned(qwen_bpe):
     model = AutoModelForCausalLM.from_pretrained(qwen_bpe)
     trainer = MAGRPOTrainer(

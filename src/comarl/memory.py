@@ -52,22 +52,27 @@ class ModelMemory:
 
 def model_size(
     source: str | Path, lora: tuple[int, float, list[str] | str] | None = None, lm_head: bool = True
-) -> ModelSize:
+) -> ModelSize | None:
     """Count the parameters of the model that a hub id or local path names, without loading its weights.
 
     The model (a causal LM, or with ``lm_head=False`` the bare backbone a critic loads) is built
     from its config on the meta device; ``lora = (r, alpha, target_modules)`` wraps it with peft as
-    training would, so ``trainable`` counts the adapters only.
+    training would, so ``trainable`` counts the adapters only. None when the config cannot be read or built
+    here (a model with custom code, a hub id without network): the model is then not counted, and loading it
+    reports the real error.
     """
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
-    config = AutoConfig.from_pretrained(str(source))
-    with torch.device("meta"):
-        model = (AutoModelForCausalLM if lm_head else AutoModel).from_config(config)
-    if lora is not None:
-        from comarl.agents import add_lora
+    try:
+        config = AutoConfig.from_pretrained(str(source))
+        with torch.device("meta"):
+            model = (AutoModelForCausalLM if lm_head else AutoModel).from_config(config)
+        if lora is not None:
+            from comarl.agents import add_lora
 
-        model = add_lora(model, *lora)
+            model = add_lora(model, *lora)
+    except Exception:  # the check is advisory; never stop a run that loading would let through
+        return None
     parameters = sum(p.numel() for p in model.parameters())
     trainable = (
         sum(p.numel() for p in model.parameters() if p.requires_grad) if lora is not None else parameters

@@ -120,10 +120,10 @@ class ActorCriticTrainer(MAGRPOTrainer):
         a, plan = self.args, super()._memory_plan(members, devices)
         if a.centralized_critic and 0 in self.local:
             source = a.critic_model or members[0]
-            if isinstance(source, (str, Path)):
-                plan.append(model_memory("centralized critic", devices[0], model_size(source, lm_head=False)))
-        elif a.critic_model is not None:
-            size = model_size(a.critic_model, lm_head=False)
+            size = model_size(source, lm_head=False) if isinstance(source, (str, Path)) else None
+            if size is not None:
+                plan.append(model_memory("centralized critic", devices[0], size))
+        elif a.critic_model is not None and (size := model_size(a.critic_model, lm_head=False)) is not None:
             plan += [model_memory(f"critic {i}", devices[i], size) for i in self.local]
         return plan
 

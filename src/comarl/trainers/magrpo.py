@@ -246,13 +246,15 @@ class MAGRPOTrainer:
         """The static memory of the agents this process loads from a hub id or path (objects are already loaded)."""
         a = self.args
         lora = (a.lora_r, a.lora_alpha, a.lora_target_modules) if a.lora_r is not None else None
-        sizes: dict[str, ModelSize] = {}
+        sizes: dict[str, ModelSize | None] = {}
         plan = []
         for i in self.local:
             if not isinstance(members[i], (str, Path)):
                 continue
             source = str(members[i])
             size = sizes[source] = sizes.get(source) or model_size(source, lora)
+            if size is None:
+                continue
             # With a shared base or one shared model the first agent holds the weights.
             shares = (a.lora_shared_base or a.share_weights) and i != self.local[0]
             trains = i not in a.frozen_agents and not (a.share_weights and shares)
