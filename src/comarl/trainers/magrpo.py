@@ -149,9 +149,8 @@ class MAGRPOTrainer:
                     f"data_parallel=True: prompts_per_step={args.prompts_per_step} must be a multiple of the "
                     f"{self.data.world_size} processes (each takes an equal shard)"
                 )
-            if (
-                self.data.rank > 0
-            ):  # shards draw their own random numbers (sampling: per-shard agent generators)
+            # Shards draw random numbers of their own (sampling: from per-shard agent generators).
+            if self.data.rank > 0:
                 torch.manual_seed(args.seed + self.data.rank)
             devices = self.data.device(devices)
         # The processes of this run (either launch mode), for the run folder and checkpoints.
@@ -252,7 +251,9 @@ class MAGRPOTrainer:
             if not isinstance(members[i], (str, Path)):
                 continue
             source = str(members[i])
-            size = sizes[source] = sizes.get(source) or model_size(source, lora)
+            if source not in sizes:  # agents naming one model count it once
+                sizes[source] = model_size(source, lora)
+            size = sizes[source]
             if size is None:
                 continue
             # With a shared base or one shared model the first agent holds the weights.
