@@ -57,6 +57,22 @@ def test_model_size_counts_without_loading_as_the_loaded_model_has(qwen_bpe):
     )
 
 
+def test_a_team_that_fits_is_told_its_numbers_when_training_starts(qwen_bpe, capsys):
+    trainer = MAGRPOTrainer(
+        model=qwen_bpe,
+        num_agents=2,
+        train_dataset=DATA,
+        reward_func=reward,
+        args=MAGRPOConfig(prompts_per_step=2, num_generations=2, max_new_tokens=2, max_steps=1),
+    )
+    need = 2 * 16 * model_size(qwen_bpe).parameters / GIB
+    assert trainer.memory_summary.startswith(
+        f"static training memory (before activations): cpu {need:.1f} of "
+    )
+    trainer.train()
+    assert trainer.memory_summary in capsys.readouterr().out
+
+
 def test_check_fits_names_the_device_the_numbers_and_the_fixes():
     plan = [
         model_memory("agent 0", "cuda:0", ModelSize(GIB, GIB), reference=True),  # 20 GiB

@@ -118,6 +118,20 @@ def free_memory(device: str) -> int | None:
     return None
 
 
+def summary(plan: Sequence[ModelMemory], free: dict[str, int | None]) -> str:
+    """One line per run: each device's static training memory and its free memory, e.g.
+    ``static training memory (before activations): cuda:0 46.0 of 79.2 GiB free, cuda:1 46.0 of 79.2 GiB free``."""
+    parts = []
+    for device in dict.fromkeys(m.device for m in plan):
+        need, have = sum(m.total for m in plan if m.device == device) / GIB, free.get(device)
+        parts.append(
+            f"{device} {need:.1f} of {have / GIB:.1f} GiB free"
+            if have is not None
+            else f"{device} {need:.1f} GiB"
+        )
+    return "static training memory (before activations): " + ", ".join(parts)
+
+
 def check_fits(plan: Sequence[ModelMemory], free: dict[str, int | None], fixes: Sequence[str]) -> None:
     """Raise ConfigError naming the device, the models on it, their bytes and ``fixes`` when a device's models need
     more than its ``free`` bytes (a device whose free memory is unknown is not checked)."""

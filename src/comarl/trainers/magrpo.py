@@ -31,7 +31,7 @@ from comarl.config import ConfigError, MAGRPOConfig, MAREINFORCEConfig, MAReMaxC
 from comarl.distributed import AgentParallel, DataParallel, RemoteAgent, save_own_model
 from comarl.engines import Generation, HFEngine, SamplingParams
 from comarl.envs import Env, FunctionEnv, comlrl_transition
-from comarl.memory import ModelMemory, ModelSize, check_fits, free_memory, model_memory, model_size
+from comarl.memory import ModelMemory, ModelSize, check_fits, free_memory, model_memory, model_size, summary
 from comarl.rollout import Rollout, collect, greedy_returns
 
 
@@ -156,13 +156,14 @@ class MAGRPOTrainer:
         # The processes of this run (either launch mode), for the run folder and checkpoints.
         self.processes = self.parallel or self.data
         members = list(team.agents) if team is not None else sources
-        if args.check_memory:  # before any weights load: a team that cannot fit stops here, with the numbers
+        # Before any weights load: a team that cannot fit stops here, with the numbers; one that fits is told
+        # its numbers when training starts.
+        self.memory_summary: str | None = None
+        if args.check_memory:
             plan = self._memory_plan(members, devices)
-            check_fits(
-                plan,
-                {d: free_memory(d) for d in {m.device for m in plan}},
-                self._memory_fixes(members, devices),
-            )
+            free = {d: free_memory(d) for d in {m.device for m in plan}}
+            check_fits(plan, free, self._memory_fixes(members, devices))
+            self.memory_summary = summary(plan, free) if plan else None
         if args.lora_shared_base:
             self.team = Team(_shared_base_agents(members, tokenizer, devices, model_config, args))
         elif args.share_weights:
@@ -326,6 +327,8 @@ class MAGRPOTrainer:
             description=type(self).__name__.removesuffix("Trainer"),
             sinks=self._sinks(run_dir) if writer else (),
         ) as logger:
+            if self.memory_summary is not None and args.progress_bar and writer:
+                logger.print(self.memory_summary)
             for items in self._batches():
                 self.step += 1
                 metrics, samples = self.training_step(items)
