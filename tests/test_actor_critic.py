@@ -224,6 +224,29 @@ def test_every_actor_and_critic_parameter_changes(team, cls, config_cls, overrid
     assert all(math.isfinite(metrics[f"agent_{i}/entropy"]) for i in range(2))
 
 
+def test_each_actor_is_scored_at_its_own_temperature_in_its_own_micro_batches(team, monkeypatch):
+    import comarl.trainers.actor_critic as actor_critic
+
+    calls = []
+    forward = actor_critic.policy_forward
+
+    def recording(model, head, prompt_ids, *rest, **kw):
+        calls.append(
+            (model, len(prompt_ids), rest[3])
+        )  # rest: prompt mask, completion ids and mask, temperature
+        return forward(model, head, prompt_ids, *rest, **kw)
+
+    monkeypatch.setattr(actor_critic, "policy_forward", recording)
+    settings = [{"temperature": 0.5, "micro_batch_size": 2}, {}]
+    trainer = _trainer(IPPOTrainer, IPPOConfig, team, reward=answer_length, agent_settings=settings)
+    trainer.train()
+    models = [a.model for a in trainer.team]
+    seen = {i: {(rows, t) for model, rows, t in calls if model is models[i]} for i in range(2)}
+    # 2 prompts x 4 samples per agent in IPPO's 2 mini-batches of 4: agent 0 in micro-batches of 2 at temperature
+    # 0.5, agent 1 a mini-batch per forward at 1.0
+    assert seen == {0: {(2, 0.5)}, 1: {(4, 1.0)}}
+
+
 def test_entropy_bonus_alone_raises_the_policy_entropy(team):
     """A constant reward and a zero critic give equal advantages, which whiten to zero: only the entropy term
     moves the policy (a separate critic, so that no value loss reaches the actor's weights)."""

@@ -152,6 +152,25 @@ def test_madpo_step_follows_the_gradient_of_the_team_dpo_loss(qwen_bpe, llama_wo
         assert metrics["accuracy"] == pytest.approx(float((team > 0).float().mean()))
 
 
+def test_madpo_scores_each_agent_in_its_own_micro_batches(qwen_bpe, llama_word):
+    trainer = MADPOTrainer(
+        agents=[qwen_bpe, llama_word],
+        train_dataset=DATA,
+        reward_func=length_reward,
+        args=madpo_args(candidates_from="current", agent_settings=[{"micro_batch_size": 1}, {}]),
+    )
+    passes = []
+    row_logprobs = trainer._row_logprobs
+
+    def recording(agent, gen, rows, model=None):
+        passes.append((trainer.team.agents.index(agent), len(rows)))
+        return row_logprobs(agent, gen, rows, model)
+
+    trainer._row_logprobs = recording
+    trainer.train()
+    assert passes and {n for i, n in passes if i == 0} == {1} and max(n for i, n in passes if i == 1) > 1
+
+
 def test_madpo_initial_candidates_are_sampled_once_and_carry_the_reference(qwen_bpe, tmp_path):
     """candidates_from='initial': the whole dataset is answered at step 1 (reward called once per chunk), never
     again; its log-probs are the reference, so the first step's margins are exactly 0."""
