@@ -8,7 +8,8 @@ fails. Everything is built offline (tiny models from ``comarl.tiny`` and the dem
 device machine needs no network. The checks:
 
 1. ``decode``: the engine's greedy decode equals ``model.generate`` on the device;
-2. ``bf16_step``: one MAGRPO step with ``bf16=True`` (autocast) changes every parameter, weights stay fp32;
+2. ``bf16_step``: one MAGRPO step with ``bf16=True`` (autocast) changes every parameter, weights stay fp32,
+   generation and the update both ran in bf16, and the memory check read the device's free memory;
 3. ``demo``: the demo game for 150 steps on the device; greedy joint success ≥ 0.9;
 4. ``agent_parallel``: two processes (torchrun, one agent each, sharing the device when there is one
    GPU) train what one process trains on a heterogeneous team.
@@ -75,7 +76,17 @@ def check_bf16_step(device: str, base: Path) -> str:
         ),
     )
     before = [[p.detach().clone() for p in a.model.parameters()] for a in trainer.team]
+    seen = set()  # (gradients on: the update; off: generation, logits dtype)
+    trainer.team[0].model.lm_head.register_forward_hook(
+        lambda m, i, out: seen.add((torch.is_grad_enabled(), out.dtype))
+    )
     trainer.train()
+    if seen != {(False, torch.bfloat16), (True, torch.bfloat16)}:
+        raise AssertionError(
+            f"logits of generation / update: {sorted(map(str, seen))}, expected bf16 in both"
+        )
+    if trainer.memory_summary is None or device.split(":")[0] not in trainer.memory_summary:
+        raise AssertionError(f"memory_summary={trainer.memory_summary!r} does not name {device}")
     for i, agent in enumerate(trainer.team):
         params = list(agent.model.parameters())
         if any(p.dtype != torch.float32 for p in params):
@@ -83,7 +94,7 @@ def check_bf16_step(device: str, base: Path) -> str:
         unchanged = sum(torch.equal(p, q) for p, q in zip(params, before[i]))
         if unchanged:
             raise AssertionError(f"agent {i}: {unchanged} parameter tensors did not change")
-    return f"agents on {trainer.team[0].device}, every parameter moved, weights fp32"
+    return f"agents on {trainer.team[0].device}, every parameter moved, weights fp32, bf16 logits; {trainer.memory_summary}"
 
 
 def check_demo(device: str, base: Path) -> str:
