@@ -65,10 +65,11 @@ def test_a_team_that_fits_is_told_its_numbers_when_training_starts(qwen_bpe, cap
         reward_func=reward,
         args=MAGRPOConfig(prompts_per_step=2, num_generations=2, max_new_tokens=2, max_steps=1),
     )
-    need = 2 * 16 * model_size(qwen_bpe).parameters / GIB
+    need = 2 * 16 * model_size(qwen_bpe).parameters / 2**20
     assert trainer.memory_summary.startswith(
-        f"static training memory (before activations): cpu {need:.1f} of "
+        f"static training memory (before activations): cpu {need:.0f} MiB of "
     )
+    assert trainer.memory_summary.endswith(" GiB free")
     trainer.train()
     assert trainer.memory_summary in capsys.readouterr().out
 

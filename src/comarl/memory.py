@@ -120,15 +120,16 @@ def free_memory(device: str) -> int | None:
 
 def summary(plan: Sequence[ModelMemory], free: dict[str, int | None]) -> str:
     """One line per run: each device's static training memory and its free memory, e.g.
-    ``static training memory (before activations): cuda:0 46.0 of 79.2 GiB free, cuda:1 46.0 of 79.2 GiB free``."""
+    ``static training memory (before activations): cuda:0 46.0 GiB of 79.2 GiB free, cuda:1 46.0 GiB of 79.2 GiB
+    free`` (MiB below a tenth of a GiB)."""
+
+    def amount(n: int) -> str:
+        return f"{n / GIB:.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:.0f} MiB"
+
     parts = []
     for device in dict.fromkeys(m.device for m in plan):
-        need, have = sum(m.total for m in plan if m.device == device) / GIB, free.get(device)
-        parts.append(
-            f"{device} {need:.1f} of {have / GIB:.1f} GiB free"
-            if have is not None
-            else f"{device} {need:.1f} GiB"
-        )
+        need, have = amount(sum(m.total for m in plan if m.device == device)), free.get(device)
+        parts.append(f"{device} {need} of {amount(have)} free" if have is not None else f"{device} {need}")
     return "static training memory (before activations): " + ", ".join(parts)
 
 
