@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -66,11 +67,8 @@ class HFEngine:
         prompt_ids, prompt_mask = agent.encode(prompts)
         was_training = agent.model.training
         agent.model.eval()
-        device = prompt_ids.device.type
         try:
-            with torch.autocast(
-                device, dtype=torch.bfloat16, enabled=self.bf16 and device in ("cuda", "cpu")
-            ):
+            with bf16_autocast(prompt_ids.device, self.bf16):
                 completion_ids = sample_completions(
                     agent.model,
                     prompt_ids,
@@ -97,6 +95,13 @@ class HFEngine:
             repeated,
             texts,
         )
+
+
+def bf16_autocast(device: torch.device, enabled: bool) -> AbstractContextManager[Any]:
+    """bf16 autocast on ``device`` when ``enabled`` and the device is a CPU or a CUDA GPU; else nothing changes."""
+    if enabled and device.type in ("cuda", "cpu"):
+        return torch.autocast(device.type, dtype=torch.bfloat16)
+    return nullcontext()
 
 
 def sample_completions(
@@ -176,9 +181,8 @@ def next_tokens(
     if not params.do_sample:
         return scores.argmax(dim=-1)
     cdf = scores.softmax(dim=-1).cumsum(dim=-1)
-    u = (1 - torch.rand(cdf.shape[0], 1, device=cdf.device, dtype=cdf.dtype, generator=generator)) * cdf[
-        :, -1:
-    ]
+    draw = torch.rand(cdf.shape[0], 1, device=cdf.device, dtype=cdf.dtype, generator=generator)
+    u = (1 - draw) * cdf[:, -1:]
     return torch.searchsorted(cdf, u).squeeze(1)
 
 

@@ -13,6 +13,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -51,18 +52,20 @@ class ModelMemory:
 
 
 def model_size(
-    source: str | Path, lora: tuple[int, float, list[str] | str] | None = None, lm_head: bool = True
+    source: Any, lora: tuple[int, float, list[str] | str] | None = None, lm_head: bool = True
 ) -> ModelSize | None:
     """Count the parameters of the model that a hub id or local path names, without loading its weights.
 
     The model (a causal LM, or with ``lm_head=False`` the bare backbone a critic loads) is built
     from its config on the meta device; ``lora = (r, alpha, target_modules)`` wraps it with peft as
-    training would, so ``trainable`` counts the adapters only. None when the config cannot be read or built
-    here (a model with custom code, a hub id without network): the model is then not counted, and loading it
-    reports the real error.
+    training would, so ``trainable`` counts the adapters only. None for a model object (it is already in
+    memory) and when the config cannot be read or built here (a model with custom code, a hub id without
+    network): the model is then not counted, and loading it reports the real error.
     """
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM
 
+    if not isinstance(source, (str, Path)):
+        return None
     try:
         config = AutoConfig.from_pretrained(str(source))
         with torch.device("meta"):
@@ -118,6 +121,14 @@ def free_memory(device: str) -> int | None:
     return None
 
 
+def by_device(plan: Sequence[ModelMemory]) -> dict[str, list[ModelMemory]]:
+    """The plan's models grouped by device, in the order the devices first appear."""
+    groups: dict[str, list[ModelMemory]] = {}
+    for m in plan:
+        groups.setdefault(m.device, []).append(m)
+    return groups
+
+
 def summary(plan: Sequence[ModelMemory], free: dict[str, int | None]) -> str:
     """One line per run: each device's static training memory and its free memory, e.g.
     ``static training memory (before activations): cuda:0 46.0 GiB of 79.2 GiB free, cuda:1 46.0 GiB of 79.2 GiB
@@ -127,8 +138,8 @@ def summary(plan: Sequence[ModelMemory], free: dict[str, int | None]) -> str:
         return f"{n / GIB:.1f} GiB" if n >= GIB / 10 else f"{n / 2**20:.0f} MiB"
 
     parts = []
-    for device in dict.fromkeys(m.device for m in plan):
-        need, have = amount(sum(m.total for m in plan if m.device == device)), free.get(device)
+    for device, on_device in by_device(plan).items():
+        need, have = amount(sum(m.total for m in on_device)), free.get(device)
         parts.append(f"{device} {need} of {amount(have)} free" if have is not None else f"{device} {need}")
     return "static training memory (before activations): " + ", ".join(parts)
 
@@ -136,8 +147,7 @@ def summary(plan: Sequence[ModelMemory], free: dict[str, int | None]) -> str:
 def check_fits(plan: Sequence[ModelMemory], free: dict[str, int | None], fixes: Sequence[str]) -> None:
     """Raise ConfigError naming the device, the models on it, their bytes and ``fixes`` when a device's models need
     more than its ``free`` bytes (a device whose free memory is unknown is not checked)."""
-    for device in dict.fromkeys(m.device for m in plan):
-        on_device = [m for m in plan if m.device == device]
+    for device, on_device in by_device(plan).items():
         need, have = sum(m.total for m in on_device), free.get(device)
         if have is None or need <= have:
             continue

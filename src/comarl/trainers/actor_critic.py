@@ -118,9 +118,8 @@ class ActorCriticTrainer(MAGRPOTrainer):
     def _memory_plan(self, members: Sequence[Any], devices: Sequence[str]) -> list[ModelMemory]:
         """The agents' memory and that of the critics with their own backbone (value heads are a few kilobytes)."""
         a, plan = self.args, super()._memory_plan(members, devices)
-        if a.centralized_critic and 0 in self.local:
-            source = a.critic_model or members[0]
-            size = model_size(source, lm_head=False) if isinstance(source, (str, Path)) else None
+        if a.centralized_critic:
+            size = model_size(a.critic_model or members[0], lm_head=False) if 0 in self.local else None
             if size is not None:
                 plan.append(model_memory("centralized critic", devices[0], size))
         elif a.critic_model is not None and (size := model_size(a.critic_model, lm_head=False)) is not None:

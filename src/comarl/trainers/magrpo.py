@@ -19,7 +19,7 @@ import random
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import nullcontext
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +29,7 @@ from comarl.agents import Agent, Team, WithoutAdapters, add_lora, has_adapters, 
 from comarl.algorithms import aggregate_loss, clipped_surrogate, group_advantages, kl_k3
 from comarl.config import ConfigError, MAGRPOConfig, MAREINFORCEConfig, MAReMaxConfig, MARLOOConfig
 from comarl.distributed import AgentParallel, DataParallel, RemoteAgent, save_own_model
-from comarl.engines import Generation, HFEngine, SamplingParams
+from comarl.engines import Generation, HFEngine, SamplingParams, bf16_autocast
 from comarl.envs import Env, FunctionEnv, comlrl_transition
 from comarl.memory import ModelMemory, ModelSize, check_fits, free_memory, model_memory, model_size, summary
 from comarl.rollout import Rollout, collect, greedy_returns
@@ -709,11 +709,9 @@ class MAGRPOTrainer:
                 )
         return torch.cat(parts)
 
-    def _autocast(self, device: torch.device):  # noqa: ANN202
-        """bf16 autocast of a training forward on ``device`` when ``bf16=True`` (generation: ``HFEngine(bf16=)``)."""
-        if self.args.bf16 and device.type in ("cuda", "cpu"):
-            return torch.autocast(device.type, dtype=torch.bfloat16)
-        return nullcontext()
+    def _autocast(self, device: torch.device) -> AbstractContextManager[Any]:
+        """A training forward's precision on ``device``: the engine's rule, so that samples are scored as drawn."""
+        return bf16_autocast(device, self.args.bf16)
 
     def _optimizer(self, i: int) -> torch.optim.Optimizer:
         """AdamW over agent ``i``'s trainable parameters at its learning rate: the Agent's own if it has one, else

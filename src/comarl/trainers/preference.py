@@ -400,10 +400,7 @@ class MARLHFTrainer(MAGRPOTrainer):
     def _memory_plan(self, members: Sequence[Any], devices: Sequence[str]) -> list[ModelMemory]:
         """The agents' memory and the reward model's (a backbone with a scalar head, trained when it is fit)."""
         a, plan = self.args, super()._memory_plan(members, devices)
-        source = a.reward_model or members[0]
-        size = (
-            model_size(source, lm_head=False) if 0 in self.local and isinstance(source, (str, Path)) else None
-        )
+        size = model_size(a.reward_model or members[0], lm_head=False) if 0 in self.local else None
         if size is not None:
             trains = a.fit_reward_model or a.reward_refit_steps > 0
             plan.append(model_memory("reward model", devices[0], size, trains=trains))
