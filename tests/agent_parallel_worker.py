@@ -31,7 +31,16 @@ def main() -> None:
         "eval": trainer.evaluate(),
         "local": trainer.local,
         "torch_seed": torch.initial_seed(),
+        # the weights this process holds, to compare processes that should hold the same
+        "weights": {
+            i: sum(float(p.double().sum()) for p in trainer.team[i].model.parameters()) for i in trainer.local
+        },
     }
+    candidates = getattr(trainer, "candidates", None)  # MADPO's candidates of the initial team
+    if candidates is not None:
+        result["candidates"] = [sorted(g.completions for g in c["generations"].values()) for c in candidates]
+        if trainer.processes.rank == 0:
+            torch.save(candidates, os.path.join(spec["output_dir"], "candidates.pt"))
     with open(os.path.join(spec["output_dir"], f"rank_{trainer.processes.rank}.json"), "w") as f:
         json.dump(result, f)
 

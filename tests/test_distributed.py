@@ -242,6 +242,51 @@ def test_two_data_shards_train_what_one_process_trains(
 
 
 @pytest.mark.slow
+def test_madpo_data_shards_train_what_one_process_trains(qwen_bpe, llama_word, tmp_path, one_thread):
+    """MADPO under data_parallel: each process samples the initial team's candidates for half of the dataset and
+    then holds them all; a step's pairs come from each process's items, the DPO loss is the mean over every
+    process's pairs. Given the same candidates, one process trains the same team."""
+    agents = [qwen_bpe, llama_word]
+    settings = {"prompts_per_step": 4, "num_generations": 4, "top_k": None, "beta": 0.0}
+    out = tmp_path / "run"
+    ranks = _launch("MADPO", agents, out, {**settings, "save_steps": 2}, "data")
+    assert ranks[0]["candidates"] == ranks[1]["candidates"]  # every process holds every item's candidates
+    assert len(ranks[0]["candidates"]) == len(DATA)
+    single = comarl.MADPOTrainer(
+        agents=agents,
+        train_dataset=DATA,
+        reward_func=two_word_reward,
+        args=comarl.MADPOConfig(**run_args(**settings)),
+    )
+    single.candidates = torch.load(out / "candidates.pt", weights_only=False)
+    expected = single.train()
+    assert expected["pairs"] > 0 and expected["agent_1/margin"] != 0
+    compared = [k for k in expected if not k.startswith("time/")]
+    for r in ranks:
+        for key in compared:
+            assert r["metrics"][key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
+    for i, agent in enumerate(single.team):
+        loaded = AutoModelForCausalLM.from_pretrained(out / "agents" / f"agent_{i}")
+        ids = agent.tokenizer(["alice and bob", "def add(a, b):"], return_tensors="pt", padding=True)
+        with torch.no_grad():
+            assert torch.allclose(loaded(**ids).logits, agent.model(**ids).logits, atol=1e-5), i
+
+
+@pytest.mark.slow
+def test_madpo_data_shards_sampling_every_step_stay_in_step(qwen_bpe, llama_word, tmp_path):
+    """candidates_from='current': each process samples its own items every step; both report the whole batch's
+    metrics and keep the same weights."""
+    settings = {"prompts_per_step": 4, "num_generations": 4, "top_k": None, "candidates_from": "current"}
+    ranks = _launch("MADPO", [qwen_bpe, llama_word], tmp_path / "run", settings, "data")
+    first, second = ranks
+    assert first["metrics"]["pairs"] > 0
+    for key in ("pairs", "candidates/reward", "loss", "margin", "agent_0/margin", "agent_1/grad_norm"):
+        assert first["metrics"][key] == second["metrics"][key], key
+    assert first["weights"] == second["weights"]
+    assert first["metrics"]["agent_0/margin"] != 0
+
+
+@pytest.mark.slow
 def test_data_parallel_run_resumes_exactly(qwen_bpe, llama_word, tmp_path, one_thread):
     """Two processes stop after a checkpoint at step 2; relaunched with --resume they end where one process's
     unbroken 4-step run ends."""
@@ -269,7 +314,7 @@ def test_data_parallel_checks(qwen_bpe, monkeypatch):
     with pytest.raises(
         ConfigError, match="data_parallel=True is built for the MAGRPO family and the critic trainers"
     ):
-        comarl.MADPOConfig(data_parallel=True)
+        comarl.MARLHFConfig(data_parallel=True)
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ConfigError, match="data_parallel=True needs its processes: launch with `torchrun"):
         MAREINFORCETrainer(

@@ -840,10 +840,6 @@ class MADPOConfig(MAGRPOConfig):
             raise ConfigError(
                 "share_weights=True is built for the MAGRPO family and MARLHF; MADPO keeps one model per agent"
             )
-        if self.data_parallel:
-            raise ConfigError(
-                "data_parallel=True is built for the MAGRPO family and the critic trainers; MADPO: not yet"
-            )
         if self.baseline != "none" or self.scale != "none":
             raise ConfigError(
                 "MADPO learns from preference pairs, not advantages: remove baseline= and scale="

@@ -56,6 +56,21 @@ class _Processes:
     def barrier(self) -> None:
         self._dist.barrier()
 
+    def sum_values(self, values: dict[str, float]) -> dict[str, float]:
+        """Each value of ``values`` summed over the processes (every process passes the same keys)."""
+        parts = self.gather(values)
+        return {k: sum(part[k] for part in parts) for k in values}
+
+    def all_reduce_grads(self, params: Sequence[torch.Tensor]) -> None:
+        """Sum every parameter's gradient over the processes, in one flat buffer (one collective per call)."""
+        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+        flat = torch.cat([g.reshape(-1) for g in grads])
+        self._dist.all_reduce(flat)
+        offset = 0
+        for p, g in zip(params, grads):
+            p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
+            offset += g.numel()
+
 
 class AgentParallel(_Processes):
     """This process's place in a team run with one process per agent (``rank`` = the agent it trains)."""
@@ -91,7 +106,7 @@ class AgentParallel(_Processes):
         """This rank generates for its agent (sampling by ``params[rank]``); every rank receives every agent's
         ``Generation`` (on the CPU)."""
         own = engine.generate(agents[self.rank], prompts[self.rank], num_generations, params[self.rank])
-        gathered = self.gather(_to_cpu(own))
+        gathered = self.gather(own.to("cpu"))  # what all_gather_object sends
         gathered[self.rank] = own
         return gathered
 
@@ -133,16 +148,6 @@ class DataParallel(_Processes):
         size = len(items) // self.world_size
         return list(items[self.rank * size : (self.rank + 1) * size])
 
-    def all_reduce_grads(self, params: Sequence[torch.Tensor]) -> None:
-        """Sum every parameter's gradient over the processes, in one flat buffer (one collective per call)."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self._dist.all_reduce(flat)
-        offset = 0
-        for p, g in zip(params, grads):
-            p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
-            offset += g.numel()
-
 
 def _process_group(launch_hint: str) -> Any:
     """``torch.distributed``, with the default process group initialised from torchrun's environment."""
@@ -164,19 +169,6 @@ def _backend(world_size: int) -> str:
     """NCCL when every process has a GPU of its own; else gloo (CPU, or processes sharing a GPU — only
     token ids and texts cross processes, through the CPU either way)."""
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
-
-
-def _to_cpu(generation: Any) -> Any:
-    """A copy of a ``Generation`` with its tensors on the CPU (what ``all_gather_object`` sends)."""
-    from dataclasses import replace
-
-    return replace(
-        generation,
-        prompt_ids=generation.prompt_ids.cpu(),
-        prompt_mask=generation.prompt_mask.cpu(),
-        completion_ids=generation.completion_ids.cpu(),
-        completion_mask=generation.completion_mask.cpu(),
-    )
 
 
 def save_own_model(model: Any, path: Any) -> None:

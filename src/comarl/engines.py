@@ -45,6 +45,19 @@ class Generation:
     def num_tokens(self) -> int:
         return int(self.completion_mask.sum())
 
+    def to(self, device: torch.device | str) -> Generation:
+        """This generation with its tensors on ``device`` (itself when they are there already)."""
+        if self.prompt_ids.device == torch.device(device):
+            return self
+        return Generation(
+            self.prompt_ids.to(device),
+            self.prompt_mask.to(device),
+            self.completion_ids.to(device),
+            self.completion_mask.to(device),
+            self.prompts,
+            self.completions,
+        )
+
 
 class HFEngine:
     """Batched sampling from a ``transformers`` causal LM: every prompt x G samples in one decode loop.

@@ -54,7 +54,9 @@ class MADPOTrainer(MAGRPOTrainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         a = self.args
-        self.pair_generator = torch.Generator().manual_seed(a.seed + 3)
+        # Data shards select pairs for their own items, from streams of their own.
+        shard = self.data.rank if self.data is not None else 0
+        self.pair_generator = torch.Generator().manual_seed(a.seed + 3 + 1000 * shard)
         # candidates_from="initial": per dataset item, what the initial team answered (see _initial_candidates),
         # and the dataset indices of the current step (set by _batches) to look them up.
         self.candidates: list[dict[str, Any]] | None = None
@@ -74,7 +76,7 @@ class MADPOTrainer(MAGRPOTrainer):
             rollout = self._collect(items)
             generations, rewards = rollout.generations, rollout.rewards.mean(dim=-1)  # [B, K] team rewards
             ref = None
-            metrics.update(rollout_metrics(rollout))
+            metrics.update(rollout_metrics(rollout, self.data))
             generate_seconds = rollout.generate_seconds
         else:
             if self.candidates is None:
@@ -85,16 +87,21 @@ class MADPOTrainer(MAGRPOTrainer):
         pairs = preference_pairs(
             rewards, args.preference_pairs_per_sample, args.pair_selection, self.pair_generator
         )
-        metrics["candidates/reward"] = float(rewards.mean())
-        metrics["pairs"] = float(pairs.shape[0])
-        metrics["pairs/reward_gap"] = (
-            float((rewards[pairs[:, 0], pairs[:, 1]] - rewards[pairs[:, 0], pairs[:, 2]]).mean())
-            if len(pairs)
-            else 0.0
-        )
+        # Under data parallelism: over every process's items and pairs.
+        totals = {
+            "items": float(rewards.shape[0]),
+            "reward": float(rewards.sum()) / K,
+            "pairs": float(pairs.shape[0]),
+            "gap": float((rewards[pairs[:, 0], pairs[:, 1]] - rewards[pairs[:, 0], pairs[:, 2]]).sum()),
+        }
+        if self.data is not None:
+            totals = self.data.sum_values(totals)
+        metrics["candidates/reward"] = totals["reward"] / totals["items"]
+        metrics["pairs"] = totals["pairs"]
+        metrics["pairs/reward_gap"] = totals["gap"] / totals["pairs"] if totals["pairs"] else 0.0
         t1 = time.perf_counter()
-        if len(pairs):
-            metrics.update(self.update_team(generations, pairs, K, ref))
+        if totals["pairs"]:  # a process whose items gave no pair still takes part in the step
+            metrics.update(self.update_team(generations, pairs, K, ref, int(totals["pairs"])))
         t2 = time.perf_counter()
         metrics.update(
             {
@@ -111,10 +118,13 @@ class MADPOTrainer(MAGRPOTrainer):
         pairs: torch.Tensor,
         K: int,
         ref: Sequence[torch.Tensor | None] | None,
+        total_pairs: int | None = None,
     ) -> dict[str, float]:
         """``num_iterations`` DPO steps of every agent this process trains, on ``pairs`` ``[P, 3]`` of
-        ``(item, chosen, rejected)`` among the candidates (row ``item * K + k`` of each generation)."""
+        ``(item, chosen, rejected)`` among the candidates (row ``item * K + k`` of each generation). The loss is the
+        mean over ``total_pairs`` (default P; under data parallelism every process's pairs), and so are the metrics."""
         args, P = self.args, pairs.shape[0]
+        total = P if total_pairs is None else total_pairs
         chosen, rejected = pairs[:, 0] * K + pairs[:, 1], pairs[:, 0] * K + pairs[:, 2]
         # Only rows in some pair are scored; each once, however many pairs it is in.
         rows, where = torch.unique(torch.cat([chosen, rejected]), return_inverse=True)
@@ -143,30 +153,37 @@ class MADPOTrainer(MAGRPOTrainer):
             if args.dpo_margin == "joint":  # every agent's margin, from whichever process trains it
                 margins = self._merged(margins)
                 team = torch.stack([margins[j] for j in sorted(margins)]).sum(dim=0)
+            sums: dict[str, float] = {}
             for i in self.learning_agents():  # frozen agents' margins still count in the team's
-                total = team if args.dpo_margin == "joint" else margins[i]
-                # d loss / d m_i per pair, for loss = mean_p -log sigmoid(total_p); m_i moves with
+                own = team if args.dpo_margin == "joint" else margins[i]
+                # d loss / d m_i per pair, for loss = mean_p -log sigmoid(own_p); m_i moves with
                 # +beta log pi_i(w) and -beta log pi_i(l), so each scored row gets one weight.
-                dloss = -(1 - torch.sigmoid(total)) / P
+                dloss = -(1 - torch.sigmoid(own)) / total
                 weight = torch.zeros(len(rows)).index_add_(0, win, dloss * args.dpo_beta)
                 weight.index_add_(0, lose, -dloss * args.dpo_beta)
                 stats = self._dpo_step(i, generations[i], rows, weight)
-                stats.update(
+                metrics.update({f"agent_{i}/{k}": v for k, v in stats.items()})
+                sums.update(
                     {
-                        "loss": float(preference_loss(total).mean()),
-                        "margin": float(margins[i].mean()),
-                        "accuracy": float((margins[i] > 0).float().mean()),
-                        "chosen_reward": float(rewards[i][win].mean()),
-                        "rejected_reward": float(rewards[i][lose].mean()),
+                        f"agent_{i}/loss": float(preference_loss(own).sum()),
+                        f"agent_{i}/margin": float(margins[i].sum()),
+                        f"agent_{i}/accuracy": float((margins[i] > 0).sum()),
+                        f"agent_{i}/chosen_reward": float(rewards[i][win].sum()),
+                        f"agent_{i}/rejected_reward": float(rewards[i][lose].sum()),
                     }
                 )
-                metrics.update({f"agent_{i}/{k}": v for k, v in stats.items()})
-        metrics = self._merged(metrics)
-        if args.dpo_margin == "joint":
-            metrics["loss"] = float(preference_loss(team).mean())
-            metrics["margin"] = float(team.mean())
-            metrics["accuracy"] = float((team > 0).float().mean())
-        return metrics
+            if args.dpo_margin == "joint":
+                sums.update(
+                    {
+                        "loss": float(preference_loss(team).sum()),
+                        "margin": float(team.sum()),
+                        "accuracy": float((team > 0).sum()),
+                    }
+                )
+        if self.data is not None:
+            sums = self.data.sum_values(sums)
+        metrics.update({k: v / total for k, v in sums.items()})
+        return self._merged(metrics)
 
     def _dpo_step(
         self, i: int, gen: Generation, rows: torch.Tensor, weight: torch.Tensor
@@ -188,35 +205,45 @@ class MADPOTrainer(MAGRPOTrainer):
     # ------------------------------------------------------------------ candidates
     def _initial_candidates(self) -> tuple[list[dict[str, Any]], float]:
         """Every training item's candidates from the initial team, with their team rewards and (dpo_reference
-        'initial') each agent's log-probs of them, the reference for the whole run."""
+        'initial') each agent's log-probs of them, the reference for the whole run. Under data parallelism each
+        process samples every world_size-th item, as many per call as in a training step, and then every process
+        holds them all."""
         args, K, size = self.args, self.args.num_generations, len(self.train_dataset)
-        cache: list[dict[str, Any]] = []
+        indices, per_call = list(range(size)), args.prompts_per_step
+        if self.data is not None:
+            indices = indices[self.data.rank :: self.data.world_size]
+            per_call //= self.data.world_size
+        cache: dict[int, dict[str, Any]] = {}
         seconds = 0.0
-        for start in range(0, size, args.prompts_per_step):
-            items = [self.train_dataset[j] for j in range(start, min(start + args.prompts_per_step, size))]
-            rollout = self._collect(items)
+        for start in range(0, len(indices), per_call):
+            chunk = indices[start : start + per_call]
+            rollout = self._collect([self.train_dataset[j] for j in chunk])
             seconds += rollout.generate_seconds
             team_rewards = rollout.rewards.mean(dim=-1)
             ref = (
                 {
-                    i: self._sequence_logprobs(i, rollout.generations[i], torch.arange(len(items) * K))
+                    i: self._sequence_logprobs(i, rollout.generations[i], torch.arange(len(chunk) * K))
                     for i in self.local
                 }
                 if args.dpo_reference == "initial"
                 else {}
             )
-            for b in range(len(items)):
+            for b, j in enumerate(chunk):
                 block = slice(b * K, (b + 1) * K)
-                cache.append(
-                    {
-                        "generations": {
-                            i: _trimmed(_rows(rollout.generations[i], block)) for i in self.local
-                        },
-                        "rewards": team_rewards[b],
-                        "ref": {i: r[block] for i, r in ref.items()},
-                    }
-                )
-        return cache, seconds
+                cache[j] = {
+                    "generations": {i: _trimmed(_rows(rollout.generations[i], block)) for i in self.local},
+                    "rewards": team_rewards[b],
+                    "ref": {i: r[block] for i, r in ref.items()},
+                }
+        if self.data is not None:  # every process's items; the generations travel on the CPU
+
+            def moved(entry: dict[str, Any], device: Any = None) -> dict[str, Any]:
+                gens = {i: g.to(device or self.team[i].device) for i, g in entry["generations"].items()}
+                return {**entry, "generations": gens}
+
+            for part in self.data.gather({j: moved(c, "cpu") for j, c in cache.items()}):
+                cache.update({j: moved(c) for j, c in part.items() if j not in cache})
+        return [cache[j] for j in range(size)], seconds
 
     def _cached(
         self, indices: Sequence[int]
@@ -266,7 +293,7 @@ class MADPOTrainer(MAGRPOTrainer):
         for s in range(0, len(rows), micro):
             with self._autocast(agent.device):
                 parts.append(self._row_logprobs(agent, gen, rows[s : s + micro], model).float().cpu())
-        return torch.cat(parts)
+        return torch.cat(parts) if parts else torch.zeros(0)
 
     # ------------------------------------------------------------------ state, samples
     def checkpoint_state(self) -> dict[str, Any]:
