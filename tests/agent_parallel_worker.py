@@ -9,6 +9,7 @@ import sys
 import torch
 
 import comarl
+from comarl.trainers.preference import reward_scores
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_distributed import DATA, run_args, two_word_reward  # noqa: E402
@@ -25,12 +26,18 @@ def main() -> None:
     trainer = getattr(comarl, f"{name}Trainer")(
         agents=spec["agents"], train_dataset=DATA, eval_dataset=DATA, reward_func=two_word_reward, args=args
     )
+    fitted = {}
+    if spec.get("fit_first"):  # MARLHF: stage 1 by hand, to hand its pairs to the test
+        texts = trainer._preference_texts()
+        fitted = {"texts": texts, "metrics": trainer.fit_reward_model(pairs=texts)}
+        fitted["scores"] = reward_scores(trainer.reward_model, texts[0] + texts[1]).tolist()
     metrics = trainer.train(resume_from_checkpoint=True if spec.get("resume") else None)
     result = {
         "metrics": metrics,
         "eval": trainer.evaluate(),
         "local": trainer.local,
         "torch_seed": torch.initial_seed(),
+        "fitted": fitted,
         # the weights this process holds, to compare processes that should hold the same
         "weights": {
             i: sum(float(p.double().sum()) for p in trainer.team[i].model.parameters()) for i in trainer.local

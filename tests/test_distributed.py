@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 import comarl
 from comarl import ConfigError, MAREINFORCEConfig, MAREINFORCETrainer
+from comarl.trainers.preference import reward_scores
 
 DATA = [{"prompt": p} for p in ("def add(a, b):", "the agents meet at", "alice and bob", "return a + b")]
 
@@ -52,7 +53,13 @@ def one_thread():
 
 
 def _launch(
-    trainer: str, agents: list[str], out: Path, overrides: dict, launch: str = "agent", resume: bool = False
+    trainer: str,
+    agents: list[str],
+    out: Path,
+    overrides: dict,
+    launch: str = "agent",
+    resume: bool = False,
+    fit_first: bool = False,
 ) -> list[dict]:
     """Run tests/agent_parallel_worker.py in two processes (torchrun, gloo); each writes rank_<r>.json."""
     out.mkdir(exist_ok=resume)
@@ -64,6 +71,7 @@ def _launch(
             "overrides": overrides,
             "launch": launch,
             "resume": resume,
+            "fit_first": fit_first,
         }
     )
     launched = subprocess.run(
@@ -287,6 +295,53 @@ def test_madpo_data_shards_sampling_every_step_stay_in_step(qwen_bpe, llama_word
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("launch", ["data", "agent"])
+def test_marlhf_processes_fit_the_reward_model_one_process_fits(
+    qwen_bpe, llama_word, tmp_path, launch, one_thread
+):
+    """MARLHF in two processes (data shards, or one per agent): every process ends stage 1 with every preference
+    pair; each scores its share of every batch and the gradients are summed, so every copy of the reward model is
+    the one a single process fits on those pairs; then both train the team on equal scores."""
+    agents = [qwen_bpe, llama_word]
+    settings = {
+        "prompts_per_step": 4,
+        "top_k": None,
+        "preference_num_candidates": 4,
+        "reward_learning_rate": 1e-3,
+        "reward_train_batch_size": 8,
+        "reward_num_train_epochs": 1,
+    }
+    out = tmp_path / "run"
+    first, second = _launch("MARLHF", agents, out, settings, launch, fit_first=True)
+    texts = first["fitted"]["texts"]
+    assert texts == second["fitted"]["texts"] and len(texts[0]) >= 4  # every pair, on every process
+    single = comarl.MARLHFTrainer(
+        agents=agents,
+        train_dataset=DATA,
+        reward_func=two_word_reward,
+        args=comarl.MARLHFConfig(**run_args(**settings)),
+    )
+    expected = single.fit_reward_model(pairs=texts)
+    scores = reward_scores(single.reward_model, texts[0] + texts[1]).tolist()
+    P = len(texts[0])
+
+    def margins(scores: list[float]) -> torch.Tensor:
+        # Bradley-Terry sees score differences only: the head's bias has no gradient but rounding noise, which
+        # AdamW turns into a drift that differs with the order of the sums (the same on every copy of one run).
+        return torch.tensor(scores[:P]) - torch.tensor(scores[P:])
+
+    for r in (first, second):
+        for key, value in expected.items():
+            assert r["fitted"]["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
+        assert torch.allclose(margins(r["fitted"]["scores"]), margins(scores), rtol=1e-4, atol=1e-5)
+    assert first["fitted"]["scores"] == second["fitted"]["scores"]  # the copies are equal
+    assert margins(scores).abs().max() > 1e-2  # the model learned
+    for key in ("reward", "reward/task", "agent_0/loss", "agent_1/grad_norm"):
+        assert first["metrics"][key] == pytest.approx(second["metrics"][key], rel=1e-6, abs=1e-9), key
+    assert (out / "agents" / "reward_model" / "value_head.pt").is_file()
+
+
+@pytest.mark.slow
 def test_data_parallel_run_resumes_exactly(qwen_bpe, llama_word, tmp_path, one_thread):
     """Two processes stop after a checkpoint at step 2; relaunched with --resume they end where one process's
     unbroken 4-step run ends."""
@@ -311,10 +366,6 @@ def test_data_parallel_run_resumes_exactly(qwen_bpe, llama_word, tmp_path, one_t
 def test_data_parallel_checks(qwen_bpe, monkeypatch):
     with pytest.raises(ConfigError, match="data_parallel=True and agent_parallel=True: choose one"):
         MAREINFORCEConfig(data_parallel=True, agent_parallel=True)
-    with pytest.raises(
-        ConfigError, match="data_parallel=True is built for the MAGRPO family and the critic trainers"
-    ):
-        comarl.MARLHFConfig(data_parallel=True)
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ConfigError, match="data_parallel=True needs its processes: launch with `torchrun"):
         MAREINFORCETrainer(

@@ -304,6 +304,43 @@ def test_reward_model_env_scores_with_the_model_and_keeps_the_task_reward(qwen_b
     assert abs(trainer.evaluate(DATA)["eval/reward"]) < 5
 
 
+def test_marlhf_fits_its_reward_model_on_given_pairs(qwen_bpe):
+    """fit_reward_model(pairs=) learns from preference texts the caller gives (e.g. human labels); the team is
+    not asked for candidates."""
+    trainer = MARLHFTrainer(
+        model=qwen_bpe,
+        num_agents=2,
+        train_dataset=DATA,
+        reward_func=length_reward,
+        args=MARLHFConfig(
+            prompts_per_step=2,
+            num_generations=2,
+            max_new_tokens=4,
+            progress_bar=False,
+            reward_learning_rate=1e-3,
+            reward_num_train_epochs=4,
+            reward_train_batch_size=4,
+        ),
+    )
+
+    def no_sampling(*args, **kwargs):
+        raise AssertionError("the team was sampled")
+
+    trainer.engine.generate = no_sampling
+    chosen = [f"agent 0 says: the answer to {k} is yes" for k in range(8)]
+    rejected = [f"agent 0 says: the answer to {k} is no" for k in range(8)]
+    before = reward_scores(trainer.reward_model, chosen) - reward_scores(trainer.reward_model, rejected)
+    metrics = trainer.fit_reward_model(pairs=(chosen, rejected))
+    after = reward_scores(trainer.reward_model, chosen) - reward_scores(trainer.reward_model, rejected)
+    assert metrics["reward_model/pairs"] == 8 and trainer.reward_model_fitted
+    assert metrics["reward_model/accuracy"] == float((after > 0).float().mean()) == 1.0
+    assert float(after.mean()) > float(before.mean()) + 0.5
+    with pytest.raises(
+        ConfigError, match="MARLHF: 2 chosen and 1 rejected texts; the reward model needs pairs"
+    ):
+        trainer.fit_reward_model(pairs=(["a", "b"], ["c"]))
+
+
 def test_marlhf_saves_a_reward_model_that_reloads(qwen_bpe, tmp_path):
     """Stage 1 fits the model on the team's pairs; reward_model/ reloads with fit_reward_model=False and scores
     the same."""
@@ -397,8 +434,6 @@ def test_madpo_config_errors(kwargs, message):
 
 def test_comlrl_preference_spellings_and_marlhf_errors():
     assert MADPOConfig(preference_num_candidates=6).num_generations == 6
-    with pytest.raises(ConfigError, match="MARLHF does not run agent-parallel yet"):
-        MARLHFConfig(agent_parallel=True)
     with pytest.raises(ConfigError, match="reward_refit_steps=-1: must be an integer >= 0"):
         MARLHFConfig(reward_refit_steps=-1)
     with pytest.raises(ConfigError, match="MARLHF: 1 candidates per prompt"):

@@ -255,7 +255,7 @@ class MAGRPOConfig:
     data_parallel: bool = _help(
         "One process per data shard under torchrun: every process holds the whole team and takes prompts_per_step / "
         "world size of each step's prompts; gradients are summed across processes, so a step equals one process's "
-        "step on all the prompts. MAGRPO family and critic trainers. See docs/distributed.md.",
+        "step on all the prompts. Every trainer. See docs/distributed.md.",
         default=False,
     )
     bf16: bool = _help(
@@ -915,15 +915,6 @@ class MARLHFConfig(MAGRPOConfig):
             value = getattr(self, name)
             if not isinstance(value, int) or value < 1:
                 raise ConfigError(f"{name}={value!r}: must be an integer >= 1")
-        if self.data_parallel:
-            raise ConfigError(
-                "data_parallel=True is built for the MAGRPO family and the critic trainers; MARLHF: not yet"
-            )
-        if self.agent_parallel:
-            raise ConfigError(
-                "MARLHF does not run agent-parallel yet (the reward model is trained in one process); "
-                "set agent_parallel=False"
-            )
 
 
 def config_help(config_cls: type) -> dict[str, str]:

@@ -415,22 +415,29 @@ class MARLHFTrainer(MAGRPOTrainer):
         source = a.reward_model or self.team[0].source
         if source is None:
             raise ConfigError("MARLHF: set reward_model= (a hub id or path); agent 0 was given as an object")
-        self.reward_model = CriticModel.from_pretrained(source, outputs=1, device=self.team[0].device)
+        # Every process holds a copy of the reward model (with its first agent, whose device it shares): the copies
+        # are fit together (each process scores its share of every batch of pairs, gradients summed), so they stay
+        # equal, and each process scores its own joint answers.
+        device = self.team[self.local[0]].device
+        self.reward_model = CriticModel.from_pretrained(source, outputs=1, device=device)
         params = list(self.reward_model.parameters())
         self.reward_optimizer = torch.optim.AdamW(
             params, lr=a.reward_learning_rate, betas=(a.adam_beta1, a.adam_beta2), fused=fused_adamw(params)
         )
         self.reward_model_fitted = not a.fit_reward_model
         self.env = RewardModelEnv(self.task_env, self.reward_model)
-        self.pair_generator = torch.Generator().manual_seed(a.seed + 3)
+        # Data shards select pairs among their own items; the order of the pairs is the same on every process.
+        shard = self.data.rank if self.data is not None else 0
+        self.pair_generator = torch.Generator().manual_seed(a.seed + 3 + 1000 * shard)
+        self.order_generator = torch.Generator().manual_seed(a.seed + 4)
 
     def _memory_plan(self, members: Sequence[Any], devices: Sequence[str]) -> list[ModelMemory]:
         """The agents' memory and the reward model's (a backbone with a scalar head, trained when it is fit)."""
         a, plan = self.args, super()._memory_plan(members, devices)
-        size = model_size(a.reward_model or members[0], lm_head=False) if 0 in self.local else None
-        if size is not None:
+        size = model_size(a.reward_model or members[0], lm_head=False)
+        if size is not None:  # a copy in every process, on the device of its first agent
             trains = a.fit_reward_model or a.reward_refit_steps > 0
-            plan.append(model_memory("reward model", devices[0], size, trains=trains))
+            plan.append(model_memory("reward model", devices[self.local[0]], size, trains=trains))
         return plan
 
     def training_step(self, items: Sequence[Any]) -> tuple[dict[str, float], list[dict[str, Any]]]:
@@ -440,14 +447,78 @@ class MARLHFTrainer(MAGRPOTrainer):
         metrics, samples = super().training_step(items)
         return {**fitted, **metrics}, samples
 
-    def fit_reward_model(self) -> dict[str, float]:
-        """Stage 1: the team's candidates on the training set, preference pairs from the task reward, and
-        ``reward_num_train_epochs`` passes of the Bradley-Terry loss ``-log sigmoid(s_w - s_l)`` over them."""
+    def fit_reward_model(self, pairs: tuple[Sequence[str], Sequence[str]] | None = None) -> dict[str, float]:
+        """Stage 1: preference pairs, and ``reward_num_train_epochs`` passes of the Bradley-Terry loss
+        ``-log sigmoid(s_w - s_l)`` over them, ``reward_train_batch_size`` pairs per step.
+
+        ``pairs``: ``(chosen, rejected)`` joint-observation texts (``critics.joint_observation``) to fit on, e.g.
+        human preferences; by default the team's candidates on the training set, paired by the task reward. With
+        several processes each scores its share of every batch and the gradients are summed, so every copy takes
+        the one-process step.
+        """
+        args, procs = self.args, self.processes
+        chosen, rejected = self._preference_texts() if pairs is None else (list(pairs[0]), list(pairs[1]))
+        P = len(chosen)
+        if P == 0 or len(rejected) != P:
+            raise ConfigError(
+                f"MARLHF: {P} chosen and {len(rejected)} rejected texts; the reward model needs pairs to learn from"
+                + (
+                    f" (every candidate of every training prompt got the same task reward: raise "
+                    f"preference_num_candidates, now {args.preference_num_candidates}, or the sampling temperature)"
+                    if pairs is None
+                    else ""
+                )
+            )
+        model, bs = self.reward_model, args.reward_train_batch_size
+        model.train()
+        params = list(model.parameters())
+        max_norm = args.max_grad_norm if args.max_grad_norm is not None else math.inf
+        for _ in range(args.reward_num_train_epochs):
+            order = torch.randperm(P, generator=self.order_generator).tolist()
+            totals = {"loss": 0.0}
+            for s in range(0, P, bs):
+                batch = order[s : s + bs]
+                mine = batch if procs is None else batch[procs.rank :: procs.world_size]
+                if mine:  # a process whose share is empty still takes part in the gradient sum
+                    scores = model(*model.encode([chosen[j] for j in mine] + [rejected[j] for j in mine]))[
+                        :, 0
+                    ]
+                    losses = preference_loss(scores[: len(mine)] - scores[len(mine) :])
+                    (losses.sum() / len(batch)).backward()
+                    totals["loss"] += float(losses.detach().sum())
+                if procs is not None:
+                    procs.all_reduce_grads(params)
+                torch.nn.utils.clip_grad_norm_(params, max_norm)
+                self.reward_optimizer.step()
+                self.reward_optimizer.zero_grad(set_to_none=True)
+        model.eval()
+        self.reward_model_fitted = True
+        mine = list(range(P)) if procs is None else list(range(procs.rank, P, procs.world_size))
+        after = reward_scores(model, [chosen[j] for j in mine]) - reward_scores(
+            model, [rejected[j] for j in mine]
+        )
+        totals["correct"] = float((after > 0).sum())
+        if procs is not None:
+            totals = procs.sum_values(totals)
+        return {
+            "reward_model/pairs": float(P),
+            "reward_model/loss": totals["loss"] / P,  # the last epoch's, as it trained
+            "reward_model/accuracy": totals["correct"] / P,  # after training, on its pairs
+        }
+
+    def _preference_texts(self) -> tuple[list[str], list[str]]:
+        """The team's ``preference_num_candidates`` answers to every training prompt, paired by the task reward:
+        ``(chosen, rejected)`` joint-observation texts. Data shards each answer every world_size-th item, as many
+        per call as in a training step, and every process then holds every pair."""
         args, K, size = self.args, self.args.preference_num_candidates, len(self.train_dataset)
-        chosen_texts: list[str] = []
-        rejected_texts: list[str] = []
-        for start in range(0, size, args.prompts_per_step):
-            items = [self.train_dataset[j] for j in range(start, min(start + args.prompts_per_step, size))]
+        indices, per_call = list(range(size)), args.prompts_per_step
+        if self.data is not None:
+            indices = indices[self.data.rank :: self.data.world_size]
+            per_call //= self.data.world_size
+        chosen: list[str] = []
+        rejected: list[str] = []
+        for start in range(0, len(indices), per_call):
+            items = [self.train_dataset[j] for j in indices[start : start + per_call]]
             rollout = collect(
                 self.task_env,
                 self.team.agents,
@@ -456,6 +527,7 @@ class MARLHFTrainer(MAGRPOTrainer):
                 num_generations=K,
                 params=self._sampling(),
                 pool=self.pool,
+                parallel=self.parallel,
             )
             rewards = rollout.rewards.mean(dim=-1)
             pairs = preference_pairs(
@@ -464,42 +536,12 @@ class MARLHFTrainer(MAGRPOTrainer):
             for b, win, lose in pairs.tolist():
                 observations = [prompt_text(o) for o in rollout.states[b][1]]
                 answer = [[g.completions[b * K + k] for g in rollout.generations] for k in (win, lose)]
-                chosen_texts.append(joint_observation(observations, answer[0]))
-                rejected_texts.append(joint_observation(observations, answer[1]))
-        P = len(chosen_texts)
-        if P == 0:
-            raise ConfigError(
-                f"MARLHF: every candidate of every training prompt got the same task reward, so there is no preference "
-                f"pair to learn from; raise preference_num_candidates (now {K}) or the sampling temperature"
-            )
-        model, bs = self.reward_model, args.reward_train_batch_size
-        model.train()
-        params = list(model.parameters())
-        max_norm = args.max_grad_norm if args.max_grad_norm is not None else math.inf
-        for _ in range(args.reward_num_train_epochs):
-            order = torch.randperm(P, generator=self.pair_generator).tolist()
-            loss_sum, correct = 0.0, 0
-            for s in range(0, P, bs):
-                batch = order[s : s + bs]
-                scores = model(
-                    *model.encode([chosen_texts[j] for j in batch] + [rejected_texts[j] for j in batch])
-                )[:, 0]
-                margin = scores[: len(batch)] - scores[len(batch) :]
-                loss = preference_loss(margin).mean()
-                loss.backward()
-                torch.nn.utils.clip_grad_norm_(params, max_norm)
-                self.reward_optimizer.step()
-                self.reward_optimizer.zero_grad(set_to_none=True)
-                loss_sum += float(loss.detach()) * len(batch)
-                correct += int((margin.detach() > 0).sum())
-        model.eval()
-        self.reward_model_fitted = True
-        after = reward_scores(model, chosen_texts) - reward_scores(model, rejected_texts)
-        return {
-            "reward_model/pairs": float(P),
-            "reward_model/loss": loss_sum / P,  # the last epoch's, as it trained
-            "reward_model/accuracy": float((after > 0).float().mean()),  # after training, on its pairs
-        }
+                chosen.append(joint_observation(observations, answer[0]))
+                rejected.append(joint_observation(observations, answer[1]))
+        if self.data is not None:
+            parts = self.data.gather((chosen, rejected))
+            chosen, rejected = [t for c, _ in parts for t in c], [t for _, r in parts for t in r]
+        return chosen, rejected
 
     def checkpoint_state(self) -> dict[str, Any]:
         return {
@@ -508,6 +550,7 @@ class MARLHFTrainer(MAGRPOTrainer):
             "reward_optimizer": self.reward_optimizer.state_dict(),
             "reward_model_fitted": self.reward_model_fitted,
             "pairs": self.pair_generator.get_state(),
+            "pair_order": self.order_generator.get_state(),
         }
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
@@ -516,9 +559,11 @@ class MARLHFTrainer(MAGRPOTrainer):
         self.reward_optimizer.load_state_dict(state["reward_optimizer"])
         self.reward_model_fitted = state["reward_model_fitted"]
         self.pair_generator.set_state(state["pairs"])
+        self.order_generator.set_state(state["pair_order"])
 
     def save_model(self, output_dir: str | Path) -> None:
         """The agents (``agent_i/``) and the reward model (``reward_model/``, reloadable with
         ``reward_model=<that folder>, fit_reward_model=False``)."""
         super().save_model(output_dir)
-        self.reward_model.save(Path(output_dir) / "reward_model")
+        if self.processes is None or self.processes.rank == 0:  # the copies are equal: process 0 saves it
+            self.reward_model.save(Path(output_dir) / "reward_model")
