@@ -19,7 +19,11 @@ def main() -> None:
     spec = json.loads(sys.argv[1])
     torch.set_num_threads(1)
     name = spec["trainer"]
-    launch = {"data_parallel": True} if spec.get("launch") == "data" else {"agent_parallel": True}
+    launch = {
+        "agent": {"agent_parallel": True},
+        "data": {"data_parallel": True},
+        "grid": {"agent_parallel": True, "data_parallel": True},
+    }[spec.get("launch", "agent")]
     args = getattr(comarl, f"{name}Config")(
         **run_args(**launch, output_dir=spec["output_dir"], **spec["overrides"])
     )

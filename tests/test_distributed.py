@@ -60,8 +60,9 @@ def _launch(
     launch: str = "agent",
     resume: bool = False,
     fit_first: bool = False,
+    processes: int = 2,
 ) -> list[dict]:
-    """Run tests/agent_parallel_worker.py in two processes (torchrun, gloo); each writes rank_<r>.json."""
+    """Run tests/agent_parallel_worker.py in ``processes`` processes (torchrun, gloo); each writes rank_<r>.json."""
     out.mkdir(exist_ok=resume)
     spec = json.dumps(
         {
@@ -80,7 +81,7 @@ def _launch(
             "-m",
             "torch.distributed.run",
             "--standalone",
-            "--nproc-per-node=2",
+            f"--nproc-per-node={processes}",
             str(Path(__file__).parent / "agent_parallel_worker.py"),
             spec,
         ],
@@ -90,7 +91,7 @@ def _launch(
         timeout=300,
     )
     assert launched.returncode == 0, launched.stderr[-3000:]
-    return [json.loads((out / f"rank_{r}.json").read_text()) for r in range(2)]
+    return [json.loads((out / f"rank_{r}.json").read_text()) for r in range(processes)]
 
 
 @pytest.mark.slow
@@ -295,7 +296,7 @@ def test_madpo_data_shards_sampling_every_step_stay_in_step(qwen_bpe, llama_word
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launch", ["data", "agent"])
+@pytest.mark.parametrize("launch", ["data", "agent", "grid"])
 def test_marlhf_processes_fit_the_reward_model_one_process_fits(
     qwen_bpe, llama_word, tmp_path, launch, one_thread
 ):
@@ -312,9 +313,13 @@ def test_marlhf_processes_fit_the_reward_model_one_process_fits(
         "reward_num_train_epochs": 1,
     }
     out = tmp_path / "run"
-    first, second = _launch("MARLHF", agents, out, settings, launch, fit_first=True)
+    ranks = _launch(
+        "MARLHF", agents, out, settings, launch, fit_first=True, processes=4 if launch == "grid" else 2
+    )
+    first = ranks[0]
     texts = first["fitted"]["texts"]
-    assert texts == second["fitted"]["texts"] and len(texts[0]) >= 4  # every pair, on every process
+    assert len(texts[0]) >= 4
+    assert all(r["fitted"]["texts"] == texts for r in ranks)  # every pair, on every process
     single = comarl.MARLHFTrainer(
         agents=agents,
         train_dataset=DATA,
@@ -330,15 +335,64 @@ def test_marlhf_processes_fit_the_reward_model_one_process_fits(
         # AdamW turns into a drift that differs with the order of the sums (the same on every copy of one run).
         return torch.tensor(scores[:P]) - torch.tensor(scores[P:])
 
-    for r in (first, second):
+    for r in ranks:
         for key, value in expected.items():
             assert r["fitted"]["metrics"][key] == pytest.approx(value, rel=1e-4, abs=1e-6), key
         assert torch.allclose(margins(r["fitted"]["scores"]), margins(scores), rtol=1e-4, atol=1e-5)
-    assert first["fitted"]["scores"] == second["fitted"]["scores"]  # the copies are equal
+        assert r["fitted"]["scores"] == first["fitted"]["scores"]  # the copies are equal
+        for key in ("reward", "reward/task", "agent_0/loss", "agent_1/grad_norm"):
+            assert r["metrics"][key] == pytest.approx(first["metrics"][key], rel=1e-6, abs=1e-9), key
     assert margins(scores).abs().max() > 1e-2  # the model learned
-    for key in ("reward", "reward/task", "agent_0/loss", "agent_1/grad_norm"):
-        assert first["metrics"][key] == pytest.approx(second["metrics"][key], rel=1e-6, abs=1e-9), key
     assert (out / "agents" / "reward_model" / "value_head.pt").is_file()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(
+    ("trainer", "overrides"),
+    [
+        ("MAREINFORCE", {"scale": "batch", "beta": 0.05, "num_iterations": 2}),
+        (
+            "MAPPO",
+            {"num_iterations": 2, "num_mini_batches": 2},
+        ),  # the centralized critic on agent 0's processes
+    ],
+)
+def test_agents_by_data_shards_grid_trains_what_one_process_trains(
+    qwen_bpe, llama_word, tmp_path, trainer, overrides, one_thread
+):
+    """agent_parallel and data_parallel together: 2 agents x 2 shards = 4 processes. Each shard's two processes
+    play their episodes together, each agent's two processes sum their gradients; metrics, checkpoint and saved
+    agents equal one process's run on all the prompts."""
+    agents = [qwen_bpe, llama_word]
+    settings = run_args(prompts_per_step=4, max_steps=2, **overrides)
+    single = getattr(comarl, f"{trainer}Trainer")(
+        agents=agents,
+        train_dataset=DATA,
+        reward_func=two_word_reward,
+        args=getattr(comarl, f"{trainer}Config")(**settings),
+    )
+    expected = single.train()
+    out = tmp_path / "run"
+    ranks = _launch(
+        trainer, agents, out, {"prompts_per_step": 4, **overrides, "save_steps": 2}, "grid", processes=4
+    )
+    assert [r["local"] for r in ranks] == [[0], [1], [0], [1]]  # rank = shard * agents + agent
+    assert [r["torch_seed"] for r in ranks] == [5, 6, 7, 8]
+    compared = [k for k in expected if not k.startswith("time/") and k != "completions_per_s"]
+    assert any(k.startswith("agent_1/") for k in compared)
+    for r in ranks:
+        for key in compared:
+            assert r["metrics"][key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
+    for i, agent in enumerate(single.team):
+        loaded = AutoModelForCausalLM.from_pretrained(out / "agents" / f"agent_{i}")
+        ids = agent.tokenizer(["alice and bob", "def add(a, b):"], return_tensors="pt", padding=True)
+        with torch.no_grad():
+            assert torch.allclose(loaded(**ids).logits, agent.model(**ids).logits, atol=1e-5), i
+    checkpoint = out / "checkpoints" / "step_2"
+    assert sorted(p.name for p in checkpoint.iterdir()) == [
+        *(f"process_{r}.pt" for r in range(4)),
+        "trainer_state.json",
+    ]
 
 
 @pytest.mark.slow
@@ -364,8 +418,6 @@ def test_data_parallel_run_resumes_exactly(qwen_bpe, llama_word, tmp_path, one_t
 
 
 def test_data_parallel_checks(qwen_bpe, monkeypatch):
-    with pytest.raises(ConfigError, match="data_parallel=True and agent_parallel=True: choose one"):
-        MAREINFORCEConfig(data_parallel=True, agent_parallel=True)
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ConfigError, match="data_parallel=True needs its processes: launch with `torchrun"):
         MAREINFORCETrainer(

@@ -255,7 +255,8 @@ class MAGRPOConfig:
     data_parallel: bool = _help(
         "One process per data shard under torchrun: every process holds the whole team and takes prompts_per_step / "
         "world size of each step's prompts; gradients are summed across processes, so a step equals one process's "
-        "step on all the prompts. Every trainer. See docs/distributed.md.",
+        "step on all the prompts. Every trainer. With agent_parallel=True too: one process per agent and shard "
+        "(num_agents x D processes). See docs/distributed.md.",
         default=False,
     )
     bf16: bool = _help(
@@ -431,10 +432,6 @@ class MAGRPOConfig:
         ):
             raise ConfigError(
                 f"lora_r={self.lora_r!r}: must be an integer >= 1 (or None for full fine-tuning)"
-            )
-        if self.data_parallel and self.agent_parallel:
-            raise ConfigError(
-                "data_parallel=True and agent_parallel=True: choose one (a process per data shard, or per agent)"
             )
         if self.share_weights:
             clash = [

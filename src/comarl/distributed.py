@@ -40,21 +40,21 @@ class RemoteAgent:
     learning_rate: float | None = None
 
 
-class _Processes:
-    """What every launch mode shares: this process's rank, the world size, object gathers and barriers."""
+class Processes:
+    """A set of processes of the run and this process's place among them: rank, size, object gathers, barriers and
+    gradient sums over them. ``group`` is a torch.distributed process group (None: every process of the run)."""
 
-    rank: int
-    world_size: int
-    _dist: Any
+    def __init__(self, dist: Any, rank: int, world_size: int, group: Any = None) -> None:
+        self._dist, self.rank, self.world_size, self.group = dist, rank, world_size, group
 
     def gather(self, obj: Any) -> list[Any]:
         """``obj`` of every rank, in rank order."""
         out: list[Any] = [None] * self.world_size
-        self._dist.all_gather_object(out, obj)
+        self._dist.all_gather_object(out, obj, group=self.group)
         return out
 
     def barrier(self) -> None:
-        self._dist.barrier()
+        self._dist.barrier(group=self.group)
 
     def sum_values(self, values: dict[str, float]) -> dict[str, float]:
         """Each value of ``values`` summed over the processes (every process passes the same keys)."""
@@ -65,28 +65,16 @@ class _Processes:
         """Sum every parameter's gradient over the processes, in one flat buffer (one collective per call)."""
         grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
         flat = torch.cat([g.reshape(-1) for g in grads])
-        self._dist.all_reduce(flat)
+        self._dist.all_reduce(flat, group=self.group)
         offset = 0
         for p, g in zip(params, grads):
             p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
             offset += g.numel()
 
 
-class AgentParallel(_Processes):
-    """This process's place in a team run with one process per agent (``rank`` = the agent it trains)."""
-
-    def __init__(self, num_agents: int) -> None:
-        dist = _process_group(
-            f"agent_parallel=True needs one process per agent: launch with `torchrun --nproc-per-node={num_agents} ...`"
-        )
-        if dist.get_world_size() != num_agents:
-            raise ConfigError(
-                f"agent_parallel=True: the world has {dist.get_world_size()} processes for {num_agents} agents; "
-                f"launch with --nproc-per-node={num_agents}"
-            )
-        self.rank = dist.get_rank()
-        self.world_size = num_agents
-        self._dist = dist
+class AgentParallel(Processes):
+    """This process's place among the processes that play one episode together, one per agent (``rank`` = the
+    agent it trains). Alone, they are the whole run; with data parallelism, one data shard's processes."""
 
     def device(self, devices: Sequence[str]) -> str:
         """This rank's device: its entry of ``devices``, or ``cuda:LOCAL_RANK`` when agents share 'cuda'."""
@@ -121,22 +109,15 @@ class AgentParallel(_Processes):
             )
 
 
-class DataParallel(_Processes):
+class DataParallel(Processes):
     """Data parallelism: every process holds the whole team and takes its shard of each step's prompts.
 
     Each process generates, plays and scores its shard; advantages come from every process's returns
     (so batch-wide statistics stay batch-wide); the loss is normalised over the whole batch and the
     gradients are summed across processes before each optimizer step, so the step equals one process's
-    step on all the prompts, and the weights stay identical everywhere.
+    step on all the prompts, and the weights stay identical everywhere. With agent parallelism too, these
+    are the processes that hold one agent (``rank`` = the shard), and "the whole team" is that agent.
     """
-
-    def __init__(self) -> None:
-        dist = _process_group(
-            "data_parallel=True needs its processes: launch with `torchrun --nproc-per-node=N ...`"
-        )
-        self.rank = dist.get_rank()
-        self.world_size = dist.get_world_size()
-        self._dist = dist
 
     def device(self, devices: Sequence[str]) -> list[str]:
         """This process's copy of the team on its own GPU (``cuda:LOCAL_RANK``) when the agents are on GPUs."""
@@ -147,6 +128,48 @@ class DataParallel(_Processes):
         """This process's contiguous share of ``items`` (their count is a multiple of the world size)."""
         size = len(items) // self.world_size
         return list(items[self.rank * size : (self.rank + 1) * size])
+
+
+def launch(num_agents: int, agent_parallel: bool, data_parallel: bool) -> tuple[Any, Any, Any]:
+    """``(agents, shards, everyone)``: this process's :class:`AgentParallel`, :class:`DataParallel` and all the run's
+    processes, each None when that mode is off (all three None in a single-process run).
+
+    Both modes together form a grid of ``num_agents x D`` processes: global rank ``d * num_agents + i`` trains
+    agent ``i`` on data shard ``d``; the processes of shard d play episodes together, those of agent i sum
+    their gradients.
+    """
+    if not (agent_parallel or data_parallel):
+        return None, None, None
+    per_shard = num_agents if agent_parallel else 1
+    if agent_parallel and not data_parallel:
+        hint = f"agent_parallel=True needs one process per agent: launch with `torchrun --nproc-per-node={num_agents} ...`"
+    else:
+        hint = "data_parallel=True needs its processes: launch with `torchrun --nproc-per-node=N ...`"
+    dist = _process_group(hint)
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if agent_parallel and not data_parallel and world != num_agents:
+        raise ConfigError(
+            f"agent_parallel=True: the world has {world} processes for {num_agents} agents; "
+            f"launch with --nproc-per-node={num_agents}"
+        )
+    if world % per_shard:
+        raise ConfigError(
+            f"agent_parallel=True and data_parallel=True: the world has {world} processes, not a multiple of the "
+            f"{num_agents} agents; launch num_agents x (data shards) processes"
+        )
+    shards = world // per_shard if data_parallel else 1
+    episode_group = agent_group = None  # None: the whole world
+    if agent_parallel and data_parallel:
+        # Every process creates every group, in the same order (torch.distributed's rule).
+        episode_group, _ = dist.new_subgroups_by_enumeration(
+            [list(range(d * per_shard, (d + 1) * per_shard)) for d in range(shards)]
+        )
+        agent_group, _ = dist.new_subgroups_by_enumeration(
+            [list(range(i, world, per_shard)) for i in range(per_shard)]
+        )
+    agents = AgentParallel(dist, rank % per_shard, per_shard, episode_group) if agent_parallel else None
+    data = DataParallel(dist, rank // per_shard, shards, agent_group) if data_parallel else None
+    return agents, data, Processes(dist, rank, world)
 
 
 def _process_group(launch_hint: str) -> Any:

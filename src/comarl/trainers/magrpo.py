@@ -28,7 +28,7 @@ import torch
 from comarl.agents import Agent, Team, WithoutAdapters, add_lora, has_adapters, shared_base_lora
 from comarl.algorithms import aggregate_loss, clipped_surrogate, group_advantages, kl_k3
 from comarl.config import ConfigError, MAGRPOConfig, MAREINFORCEConfig, MAReMaxConfig, MARLOOConfig
-from comarl.distributed import AgentParallel, DataParallel, RemoteAgent, save_own_model
+from comarl.distributed import DataParallel, RemoteAgent, launch, save_own_model
 from comarl.engines import Generation, HFEngine, SamplingParams, bf16_autocast
 from comarl.envs import Env, FunctionEnv, comlrl_transition
 from comarl.memory import ModelMemory, ModelSize, check_fits, free_memory, model_memory, model_size, summary
@@ -131,30 +131,25 @@ class MAGRPOTrainer:
 
         set_seed(args.seed)
         devices = _agent_devices(args.agent_devices, n)
-        # Agent parallelism: this process loads and trains one agent; the others are RemoteAgents here.
-        self.parallel = AgentParallel(n) if args.agent_parallel else None
+        # Agent parallelism: this process loads and trains one agent; the others are RemoteAgents here. Data
+        # parallelism: every process holds the whole team (with agent parallelism too: its agent) and takes a shard
+        # of each step's prompts. Both together: a grid, one process per agent and shard.
+        self.parallel, self.data, self.processes = launch(n, args.agent_parallel, args.data_parallel)
         self.local = [self.parallel.rank] if self.parallel is not None else list(range(n))
-        if self.parallel is not None and self.parallel.rank > 0:
+        if self.processes is not None and self.processes.rank > 0:
             # Agents sample from their own generators (below); the processes' global torch streams differ too, so
-            # that no other random numbers are shared between agents. (Python's and NumPy's streams stay equal:
-            # environments may draw from them, and every process steps one.)
-            torch.manual_seed(args.seed + self.parallel.rank)
+            # that no other random numbers are shared between agents or shards. (Python's and NumPy's streams stay
+            # equal: environments may draw from them, and every process steps one.)
+            torch.manual_seed(args.seed + self.processes.rank)
         if self.parallel is not None:
             devices[self.parallel.rank] = self.parallel.device(devices)
-        # Data parallelism: every process holds the whole team and takes a shard of each step's prompts.
-        self.data = DataParallel() if args.data_parallel else None
         if self.data is not None:
             if args.prompts_per_step % self.data.world_size:
                 raise ConfigError(
                     f"data_parallel=True: prompts_per_step={args.prompts_per_step} must be a multiple of the "
-                    f"{self.data.world_size} processes (each takes an equal shard)"
+                    f"{self.data.world_size} data shards (each takes an equal share)"
                 )
-            # Shards draw random numbers of their own (sampling: from per-shard agent generators).
-            if self.data.rank > 0:
-                torch.manual_seed(args.seed + self.data.rank)
             devices = self.data.device(devices)
-        # The processes of this run (either launch mode), for the run folder and checkpoints.
-        self.processes = self.parallel or self.data
         members = list(team.agents) if team is not None else sources
         # Before any weights load: a team that cannot fit stops here, with the numbers; one that fits is told
         # its numbers when training starts.
