@@ -214,6 +214,8 @@ def test_madpo_in_two_processes_exchanges_margins(qwen_bpe, llama_word, tmp_path
         # whitening, value heads, mini-batches drawn from the whole batch
         ("IPPO", {"num_iterations": 2, "num_mini_batches": 2}),
         ("MAPPO", {"num_iterations": 2, "num_mini_batches": 2}),  # a separate centralized critic
+        # each process keeps half of every AdamW state: the agents' and the critic's
+        ("MAPPO", {"num_iterations": 2, "num_mini_batches": 2, "shard_optimizer": True}),
     ],
 )
 def test_two_data_shards_train_what_one_process_trains(
@@ -222,7 +224,8 @@ def test_two_data_shards_train_what_one_process_trains(
     """data_parallel: each process takes half of every step's prompts; the summed gradients, the metrics of the
     whole batch and the saved agents equal one process's run on all the prompts."""
     agents = [qwen_bpe, llama_word]
-    settings = run_args(prompts_per_step=4, max_steps=2, **overrides)
+    one_process = {k: v for k, v in overrides.items() if k != "shard_optimizer"}
+    settings = run_args(prompts_per_step=4, max_steps=2, **one_process)
     single = getattr(comarl, f"{trainer}Trainer")(
         agents=agents,
         train_dataset=DATA,
@@ -396,28 +399,40 @@ def test_agents_by_data_shards_grid_trains_what_one_process_trains(
 
 
 @pytest.mark.slow
-def test_data_parallel_run_resumes_exactly(qwen_bpe, llama_word, tmp_path, one_thread):
+@pytest.mark.parametrize("sharded", [False, True])
+def test_data_parallel_run_resumes_exactly(qwen_bpe, llama_word, tmp_path, one_thread, sharded):
     """Two processes stop after a checkpoint at step 2; relaunched with --resume they end where one process's
-    unbroken 4-step run ends."""
+    unbroken 4-step run ends. With shard_optimizer each process saves and restores its share of AdamW's state
+    and the warmup's learning rate."""
     agents = [qwen_bpe, llama_word]
+    schedule = {"beta": 0.05, "warmup_steps": 3}  # the learning rate changes at every step
     single = MAREINFORCETrainer(
         agents=agents,
         train_dataset=DATA,
         reward_func=two_word_reward,
-        args=MAREINFORCEConfig(**run_args(prompts_per_step=2, max_steps=4, beta=0.05)),
+        args=MAREINFORCEConfig(**run_args(prompts_per_step=2, max_steps=4, **schedule)),
     )
     expected = single.train()
     out = tmp_path / "run"
-    first = {"prompts_per_step": 2, "beta": 0.05, "max_steps": 2, "save_steps": 2}
+    first = {"prompts_per_step": 2, **schedule, "max_steps": 2, "save_steps": 2, "shard_optimizer": sharded}
     _launch("MAREINFORCE", agents, out, first, "data")
     ranks = _launch("MAREINFORCE", agents, out, {**first, "max_steps": 4}, "data", resume=True)
-    for key in ("reward", "agent_0/loss", "agent_1/kl", "agent_1/grad_norm"):
+    for key in ("reward", "agent_0/loss", "agent_1/kl", "agent_1/grad_norm", "agent_1/lr"):
         assert ranks[0]["metrics"][key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
+    for i, agent in enumerate(single.team):
+        loaded = AutoModelForCausalLM.from_pretrained(out / "agents" / f"agent_{i}")
+        ids = agent.tokenizer(["alice and bob", "def add(a, b):"], return_tensors="pt", padding=True)
+        with torch.no_grad():
+            assert torch.allclose(loaded(**ids).logits, agent.model(**ids).logits, atol=1e-5), i
 
 
 def test_data_parallel_checks(qwen_bpe, monkeypatch):
+    with pytest.raises(
+        ConfigError, match=r"shard_optimizer=True shares AdamW's state .* set data_parallel=True"
+    ):
+        MAREINFORCEConfig(shard_optimizer=True)
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ConfigError, match="data_parallel=True needs its processes: launch with `torchrun"):
         MAREINFORCETrainer(

@@ -37,6 +37,9 @@ def test_model_memory_counts_fp32_weights_gradients_adamw_and_reference_by_hand(
     assert model_memory("agent 1", "cpu", ModelSize(1100, 100), owns_weights=False).total == 400 + 400 + 800
     assert model_memory("agent 1", "cpu", ModelSize(1000, 1000), owns_weights=False, trains=False).total == 0
     assert model_memory("agent 1", "cpu", ModelSize(1000, 1000), trains=False).total == 4000
+    # shard_optimizer over 3 data shards: each keeps a third of the AdamW state (rounded up)
+    sharded = model_memory("agent 0", "cpu", ModelSize(1000, 1000), optimizer_shards=3)
+    assert (sharded.optimizer, sharded.total) == (2667, 4000 + 4000 + 2667)
 
 
 def test_model_size_counts_without_loading_as_the_loaded_model_has(qwen_bpe):

@@ -259,6 +259,12 @@ class MAGRPOConfig:
         "(num_agents x D processes). See docs/distributed.md.",
         default=False,
     )
+    shard_optimizer: bool = _help(
+        "With data_parallel=True: the D processes that hold copies of a model each keep the AdamW state of 1/D of "
+        "its weights and update that share, then send it to the others (ZeRO stage 1, torch's "
+        "ZeroRedundancyOptimizer). The same step, with optimizer memory 8 bytes per trained parameter / D.",
+        default=False,
+    )
     bf16: bool = _help(
         "bf16 autocast for generation and training forwards (GPU or CPU); weights and AdamW states stay fp32. On CPU "
         "it pays only where the CPU has bf16 instructions (AVX512-BF16, AMX).",
@@ -432,6 +438,11 @@ class MAGRPOConfig:
         ):
             raise ConfigError(
                 f"lora_r={self.lora_r!r}: must be an integer >= 1 (or None for full fine-tuning)"
+            )
+        if self.shard_optimizer and not self.data_parallel:
+            raise ConfigError(
+                "shard_optimizer=True shares AdamW's state among the copies that data_parallel=True makes; "
+                "set data_parallel=True (or shard_optimizer=False)"
             )
         if self.share_weights:
             clash = [

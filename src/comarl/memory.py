@@ -91,17 +91,19 @@ def model_memory(
     owns_weights: bool = True,
     trains: bool = True,
     reference: bool = False,
+    optimizer_shards: int = 1,
 ) -> ModelMemory:
     """The bytes of one model: see :class:`ModelMemory`. ``trains=False``: frozen (no gradients or optimizer
     state); ``owns_weights=False``: the base weights are another agent's (a shared LoRA base: only its own
-    adapters count; one shared model: nothing); ``reference``: a frozen copy of the weights is kept."""
+    adapters count; one shared model: nothing); ``reference``: a frozen copy of the weights is kept;
+    ``optimizer_shards``: the processes that share its AdamW state (``shard_optimizer``), each holding a share."""
     trainable = size.trainable if trains else 0
     return ModelMemory(
         name=name,
         device=device,
         weights=4 * size.parameters if owns_weights else 4 * trainable,
         gradients=4 * trainable,
-        optimizer=8 * trainable,
+        optimizer=-(-8 * trainable // optimizer_shards),
         reference=4 * size.parameters if reference else 0,
     )
 

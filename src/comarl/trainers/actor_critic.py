@@ -51,7 +51,14 @@ from comarl.engines import Generation
 from comarl.envs import prompt_text
 from comarl.memory import ModelMemory, model_memory, model_size
 from comarl.rollout import Rollout
-from comarl.trainers.magrpo import MAGRPOTrainer, fused_adamw, lr_lambda, rollout_metrics
+from comarl.trainers.magrpo import (
+    MAGRPOTrainer,
+    adamw,
+    load_optimizer_state,
+    lr_lambda,
+    optimizer_state,
+    rollout_metrics,
+)
 
 
 class ActorCriticTrainer(MAGRPOTrainer):
@@ -96,11 +103,11 @@ class ActorCriticTrainer(MAGRPOTrainer):
             ]
             self.schedulers = [self._schedule(opt) if opt is not None else None for opt in self.optimizers]
         self.critic_optimizers = [
-            torch.optim.AdamW(
+            adamw(
                 list(c.parameters()),
+                self.data if a.shard_optimizer else None,
                 lr=a.critic_learning_rate,
                 betas=(a.adam_beta1, a.adam_beta2),
-                fused=fused_adamw(list(c.parameters())),
             )
             if c is not None
             else None
@@ -117,13 +124,15 @@ class ActorCriticTrainer(MAGRPOTrainer):
 
     def _memory_plan(self, members: Sequence[Any], devices: Sequence[str]) -> list[ModelMemory]:
         """The agents' memory and that of the critics with their own backbone (value heads are a few kilobytes)."""
-        a, plan = self.args, super()._memory_plan(members, devices)
+        a, plan, shards = self.args, super()._memory_plan(members, devices), self._optimizer_shards()
         if a.centralized_critic:
             size = model_size(a.critic_model or members[0], lm_head=False) if 0 in self.local else None
             if size is not None:
-                plan.append(model_memory("centralized critic", devices[0], size))
+                plan.append(model_memory("centralized critic", devices[0], size, optimizer_shards=shards))
         elif a.critic_model is not None and (size := model_size(a.critic_model, lm_head=False)) is not None:
-            plan += [model_memory(f"critic {i}", devices[i], size) for i in self.local]
+            plan += [
+                model_memory(f"critic {i}", devices[i], size, optimizer_shards=shards) for i in self.local
+            ]
         return plan
 
     def training_step(self, items: Sequence[Any]) -> tuple[dict[str, float], list[dict[str, Any]]]:
@@ -453,7 +462,7 @@ class ActorCriticTrainer(MAGRPOTrainer):
             i: h.state_dict() for i, h in enumerate(self.value_heads or []) if h is not None
         }
         state["critics"] = {
-            c: {"model": critic.state_dict(), "optimizer": self.critic_optimizers[c].state_dict()}
+            c: {"model": critic.state_dict(), "optimizer": optimizer_state(self.critic_optimizers[c])}
             for c, critic in enumerate(self.critics)
             if critic is not None
         }
@@ -467,7 +476,7 @@ class ActorCriticTrainer(MAGRPOTrainer):
             self.value_heads[i].load_state_dict(head_state)
         for c, part in state["critics"].items():
             self.critics[c].load_state_dict(part["model"])
-            self.critic_optimizers[c].load_state_dict(part["optimizer"])
+            load_optimizer_state(self.critic_optimizers[c], part["optimizer"])
         for g, saved in zip(
             self.actor_shuffles + self.critic_shuffles, state["actor_shuffles"] + state["critic_shuffles"]
         ):

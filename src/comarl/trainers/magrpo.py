@@ -28,7 +28,7 @@ import torch
 from comarl.agents import Agent, Team, WithoutAdapters, add_lora, has_adapters, shared_base_lora
 from comarl.algorithms import aggregate_loss, clipped_surrogate, group_advantages, kl_k3
 from comarl.config import ConfigError, MAGRPOConfig, MAREINFORCEConfig, MAReMaxConfig, MARLOOConfig
-from comarl.distributed import DataParallel, RemoteAgent, launch, save_own_model
+from comarl.distributed import DataParallel, Processes, RemoteAgent, launch, save_own_model
 from comarl.engines import Generation, HFEngine, SamplingParams, bf16_autocast
 from comarl.envs import Env, FunctionEnv, comlrl_transition
 from comarl.memory import ModelMemory, ModelSize, check_fits, free_memory, model_memory, model_size, summary
@@ -263,9 +263,14 @@ class MAGRPOTrainer:
                     owns_weights=not shares,
                     trains=trains,
                     reference=self._keeps_reference() and lora is None and trains,
+                    optimizer_shards=self._optimizer_shards(),
                 )
             )
         return plan
+
+    def _optimizer_shards(self) -> int:
+        """Processes that share each replicated model's AdamW state (``shard_optimizer``), 1 when not sharded."""
+        return self.data.world_size if self.args.shard_optimizer and self.data is not None else 1
 
     def _memory_fixes(self, members: Sequence[Any], devices: Sequence[str]) -> list[str]:
         """What would shrink the plan, for the error of check_fits."""
@@ -576,7 +581,7 @@ class MAGRPOTrainer:
             "agents": {
                 i: {
                     "model": self.team[i].model.state_dict(),
-                    "optimizer": self.optimizers[i].state_dict(),
+                    "optimizer": optimizer_state(self.optimizers[i]),
                     "scheduler": self.schedulers[i].state_dict(),
                     "sampling": self.team[i].generator.get_state(),
                 }
@@ -594,7 +599,7 @@ class MAGRPOTrainer:
             )
         for i, part in state["agents"].items():
             self.team[i].model.load_state_dict(part["model"])
-            self.optimizers[i].load_state_dict(part["optimizer"])
+            load_optimizer_state(self.optimizers[i], part["optimizer"])
             self.schedulers[i].load_state_dict(part["scheduler"])
             self.team[i].generator.set_state(part["sampling"])
         self.joint_generator.set_state(state["joint_generator"])
@@ -714,13 +719,13 @@ class MAGRPOTrainer:
         a, agent = self.args, self.team[i]
         lr = agent.learning_rate if agent.learning_rate is not None else self.agent_args[i].learning_rate
         params = [p for p in agent.model.parameters() if p.requires_grad]
-        return torch.optim.AdamW(
+        return adamw(
             params,
+            self.data if a.shard_optimizer else None,
             lr=lr,
             betas=(a.adam_beta1, a.adam_beta2),
             eps=a.adam_epsilon,
             weight_decay=a.weight_decay,
-            fused=fused_adamw(params),
         )
 
     def _samples(
@@ -863,6 +868,50 @@ def lr_lambda(args: MAGRPOConfig, total: int) -> Callable[[int], float]:
         return 0.5 * (1.0 + math.cos(math.pi * progress))
 
     return factor
+
+
+def adamw(
+    params: list[torch.Tensor], shard_over: Processes | None = None, **hyper: Any
+) -> torch.optim.Optimizer:
+    """AdamW over ``params``, fused where it can run fused. ``shard_over``: the processes that hold copies of
+    ``params`` (``shard_optimizer``); each keeps the AdamW state of its share of them, updates that share and
+    sends it to the others (torch's ZeroRedundancyOptimizer), so every copy takes the one-process step."""
+    hyper["fused"] = fused_adamw(params)
+    if shard_over is None:
+        return torch.optim.AdamW(params, **hyper)
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return ZeroRedundancyOptimizer(
+        params, optimizer_class=torch.optim.AdamW, process_group=shard_over.group, **hyper
+    )
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """What a checkpoint keeps of ``optimizer``: its state dict; of a sharded one, this process's share (every
+    process writes its own part of a checkpoint)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        state = optimizer.optim.state_dict()
+        # The share receives the groups' settings (the schedule's learning rate) only when it steps: take the
+        # wrapper's, which the schedule has already moved on.
+        for saved, outer in zip(state["param_groups"], optimizer.param_groups):
+            saved.update({k: v for k, v in outer.items() if k != "params"})
+        return state
+    return optimizer.state_dict()
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
+    """Restore what :func:`optimizer_state` returned."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    if isinstance(optimizer, ZeroRedundancyOptimizer):
+        optimizer.optim.load_state_dict(state)
+        # The wrapper hands its groups' settings to its share at every step: they must be the saved ones.
+        for outer, inner in zip(optimizer.param_groups, optimizer.optim.param_groups):
+            outer.update({k: v for k, v in inner.items() if k != "params"})
+    else:
+        optimizer.load_state_dict(state)
 
 
 def fused_adamw(params: Sequence[torch.Tensor]) -> bool:

@@ -43,7 +43,13 @@ from comarl.engines import Generation, concat_generations
 from comarl.envs import Env, StepResult, prompt_text
 from comarl.memory import ModelMemory, model_memory, model_size
 from comarl.rollout import collect
-from comarl.trainers.magrpo import MAGRPOTrainer, fused_adamw, rollout_metrics
+from comarl.trainers.magrpo import (
+    MAGRPOTrainer,
+    adamw,
+    load_optimizer_state,
+    optimizer_state,
+    rollout_metrics,
+)
 
 
 class MADPOTrainer(MAGRPOTrainer):
@@ -420,9 +426,11 @@ class MARLHFTrainer(MAGRPOTrainer):
         # equal, and each process scores its own joint answers.
         device = self.team[self.local[0]].device
         self.reward_model = CriticModel.from_pretrained(source, outputs=1, device=device)
-        params = list(self.reward_model.parameters())
-        self.reward_optimizer = torch.optim.AdamW(
-            params, lr=a.reward_learning_rate, betas=(a.adam_beta1, a.adam_beta2), fused=fused_adamw(params)
+        self.reward_optimizer = adamw(
+            list(self.reward_model.parameters()),
+            self.processes if a.shard_optimizer else None,
+            lr=a.reward_learning_rate,
+            betas=(a.adam_beta1, a.adam_beta2),
         )
         self.reward_model_fitted = not a.fit_reward_model
         self.env = RewardModelEnv(self.task_env, self.reward_model)
@@ -437,7 +445,13 @@ class MARLHFTrainer(MAGRPOTrainer):
         size = model_size(a.reward_model or members[0], lm_head=False)
         if size is not None:  # a copy in every process, on the device of its first agent
             trains = a.fit_reward_model or a.reward_refit_steps > 0
-            plan.append(model_memory("reward model", devices[self.local[0]], size, trains=trains))
+            # every process holds a copy: with shard_optimizer they share its AdamW state
+            shards = self.processes.world_size if a.shard_optimizer and self.processes is not None else 1
+            plan.append(
+                model_memory(
+                    "reward model", devices[self.local[0]], size, trains=trains, optimizer_shards=shards
+                )
+            )
         return plan
 
     def training_step(self, items: Sequence[Any]) -> tuple[dict[str, float], list[dict[str, Any]]]:
@@ -547,7 +561,7 @@ class MARLHFTrainer(MAGRPOTrainer):
         return {
             **super().checkpoint_state(),
             "reward_model": self.reward_model.state_dict(),
-            "reward_optimizer": self.reward_optimizer.state_dict(),
+            "reward_optimizer": optimizer_state(self.reward_optimizer),
             "reward_model_fitted": self.reward_model_fitted,
             "pairs": self.pair_generator.get_state(),
             "pair_order": self.order_generator.get_state(),
@@ -556,7 +570,7 @@ class MARLHFTrainer(MAGRPOTrainer):
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         super().load_checkpoint_state(state)
         self.reward_model.load_state_dict(state["reward_model"])
-        self.reward_optimizer.load_state_dict(state["reward_optimizer"])
+        load_optimizer_state(self.reward_optimizer, state["reward_optimizer"])
         self.reward_model_fitted = state["reward_model_fitted"]
         self.pair_generator.set_state(state["pairs"])
         self.order_generator.set_state(state["pair_order"])
