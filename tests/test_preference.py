@@ -152,6 +152,48 @@ def test_madpo_step_follows_the_gradient_of_the_team_dpo_loss(qwen_bpe, llama_wo
         assert metrics["accuracy"] == pytest.approx(float((team > 0).float().mean()))
 
 
+def test_madpo_loss_is_the_mean_over_every_process_pairs(qwen_bpe, llama_word):
+    """Under data parallelism update_team gets the pair count of every process: this process's gradient and metric
+    sums are divided by it, so with 3x its own pairs in the batch it contributes a third; a process whose items gave
+    no pair takes its step with a zero gradient."""
+    trainer = MADPOTrainer(
+        agents=[qwen_bpe, llama_word],
+        train_dataset=DATA,
+        reward_func=length_reward,
+        args=madpo_args(candidates_from="current", max_grad_norm=None),
+    )
+    with torch.no_grad():
+        for agent in trainer.team:
+            for p in agent.model.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+    rollout = trainer._collect(DATA[:2])
+    pairs = preference_pairs(rollout.rewards.mean(dim=-1), 16, "reward_gap")
+    assert len(pairs) >= 3
+
+    def update(pairs, total):
+        recorded = {}
+        for i, optimizer in enumerate(trainer.optimizers):
+            params = [p for p in trainer.team[i].model.parameters() if p.requires_grad]
+            optimizer.step = lambda *a, i=i, params=params, **k: recorded.__setitem__(
+                i, [None if p.grad is None else p.grad.clone() for p in params]
+            )
+        return recorded, trainer.update_team(rollout.generations, pairs, 4, None, total)
+
+    own, own_metrics = update(pairs, None)
+    third, third_metrics = update(pairs, 3 * len(pairs))
+    for i in range(2):
+        assert any(g.abs().sum() > 0 for g in own[i])
+        for a, b in zip(own[i], third[i]):
+            assert torch.allclose(b, a / 3, atol=1e-8, rtol=1e-4)
+        for key in ("margin", "loss", "chosen_reward"):
+            assert third_metrics[f"agent_{i}/{key}"] == pytest.approx(
+                own_metrics[f"agent_{i}/{key}"] / 3, abs=1e-6
+            )
+    none, metrics = update(torch.zeros(0, 3, dtype=torch.long), 5)
+    assert sorted(none) == [0, 1] and all(g is None for i in range(2) for g in none[i])
+    assert metrics["loss"] == metrics["agent_1/margin"] == 0.0
+
+
 def test_madpo_scores_each_agent_in_its_own_micro_batches(qwen_bpe, llama_word):
     trainer = MADPOTrainer(
         agents=[qwen_bpe, llama_word],

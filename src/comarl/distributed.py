@@ -130,7 +130,9 @@ class DataParallel(Processes):
         return list(items[self.rank * size : (self.rank + 1) * size])
 
 
-def launch(num_agents: int, agent_parallel: bool, data_parallel: bool) -> tuple[Any, Any, Any]:
+def launch(
+    num_agents: int, agent_parallel: bool, data_parallel: bool
+) -> tuple[AgentParallel | None, DataParallel | None, Processes | None]:
     """``(agents, shards, everyone)``: this process's :class:`AgentParallel`, :class:`DataParallel` and all the run's
     processes, each None when that mode is off (all three None in a single-process run).
 
