@@ -63,6 +63,21 @@ def _launch(
     processes: int = 2,
 ) -> list[dict]:
     """Run tests/agent_parallel_worker.py in ``processes`` processes (torchrun, gloo); each writes rank_<r>.json."""
+    launched = _torchrun(trainer, agents, out, overrides, launch, resume, fit_first, processes)
+    assert launched.returncode == 0, launched.stderr[-3000:]
+    return [json.loads((out / f"rank_{r}.json").read_text()) for r in range(processes)]
+
+
+def _torchrun(
+    trainer: str,
+    agents: list[str],
+    out: Path,
+    overrides: dict,
+    launch: str,
+    resume: bool,
+    fit_first: bool,
+    processes: int,
+) -> subprocess.CompletedProcess:
     out.mkdir(exist_ok=resume)
     spec = json.dumps(
         {
@@ -75,7 +90,7 @@ def _launch(
             "fit_first": fit_first,
         }
     )
-    launched = subprocess.run(
+    return subprocess.run(
         [
             sys.executable,
             "-m",
@@ -90,8 +105,6 @@ def _launch(
         text=True,
         timeout=300,
     )
-    assert launched.returncode == 0, launched.stderr[-3000:]
-    return [json.loads((out / f"rank_{r}.json").read_text()) for r in range(processes)]
 
 
 @pytest.mark.slow
@@ -396,6 +409,15 @@ def test_agents_by_data_shards_grid_trains_what_one_process_trains(
         *(f"process_{r}.pt" for r in range(4)),
         "trainer_state.json",
     ]
+
+
+def test_grid_needs_a_multiple_of_the_agents(qwen_bpe, llama_word, tmp_path):
+    launched = _torchrun("MAREINFORCE", [qwen_bpe, llama_word], tmp_path / "run", {}, "grid", False, False, 3)
+    assert launched.returncode != 0
+    assert (
+        "agent_parallel=True and data_parallel=True: the world has 3 processes, not a multiple of the 2 agents"
+        in launched.stderr
+    )
 
 
 @pytest.mark.slow
