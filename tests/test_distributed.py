@@ -52,6 +52,36 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
+def one_process_run(trainer: str, agents: list[str], **settings) -> tuple:
+    """The single-process run a distributed launch must match: the trainer and its last metrics."""
+    single = getattr(comarl, f"{trainer}Trainer")(
+        agents=agents,
+        train_dataset=DATA,
+        eval_dataset=DATA,
+        reward_func=two_word_reward,
+        args=getattr(comarl, f"{trainer}Config")(**run_args(**settings)),
+    )
+    return single, single.train()
+
+
+def assert_metrics_equal(ranks: list[dict], expected: dict) -> None:
+    """Every process reports the single process's metrics (timings aside)."""
+    compared = [k for k in expected if not k.startswith("time/") and k != "completions_per_s"]
+    assert any(k.startswith("agent_1/") for k in compared)
+    for r in ranks:
+        for key in compared:
+            assert r["metrics"][key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
+
+
+def assert_saved_agents_compute(out: Path, single) -> None:
+    """The agents a distributed run saved compute the single process's logits."""
+    for i, agent in enumerate(single.team):
+        loaded = AutoModelForCausalLM.from_pretrained(out / "agents" / f"agent_{i}")
+        ids = agent.tokenizer(["alice and bob", "def add(a, b):"], return_tensors="pt", padding=True)
+        with torch.no_grad():
+            assert torch.allclose(loaded(**ids).logits, agent.model(**ids).logits, atol=1e-5), i
+
+
 def _launch(
     trainer: str,
     agents: list[str],
@@ -135,35 +165,19 @@ def test_two_processes_train_what_one_process_trains(
     sampling: every agent draws from its own generator, in one process or in its own."""
     agents = [qwen_bpe, llama_word]
     overrides = {"top_k": None, **overrides}
-    single = getattr(comarl, f"{trainer}Trainer")(
-        agents=agents,
-        train_dataset=DATA,
-        eval_dataset=DATA,
-        reward_func=two_word_reward,
-        args=getattr(comarl, f"{trainer}Config")(**run_args(**overrides)),
-    )
-    expected = single.train()
+    single, expected = one_process_run(trainer, agents, **overrides)
     expected_eval = single.evaluate()
 
     out = tmp_path / "run"
     ranks = _launch(trainer, agents, out, {**overrides, "save_steps": 2})  # and a checkpoint at the last step
     assert [r["local"] for r in ranks] == [[0], [1]]
     assert [r["torch_seed"] for r in ranks] == [5, 6]  # agents never share sampling random numbers
-    compared = [k for k in expected if not k.startswith("time/") and k != "completions_per_s"]
-    assert any(k.startswith("agent_1/") for k in compared)
-    for r in ranks:  # every process reports the team's, every agent's and the critics' metrics
-        assert sorted(k for k in r["metrics"] if k in compared) == sorted(compared)
-        for key in compared:
-            assert r["metrics"][key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
+    assert_metrics_equal(ranks, expected)  # every process reports the team's, every agent's and the critics'
+    for r in ranks:
         assert r["eval"]["eval/reward"] == pytest.approx(expected_eval["eval/reward"], rel=1e-5)
     # Each process saved what it holds; the saved agents (weights, or base + adapter) compute the single
     # process's logits.
-    for i, agent in enumerate(single.team):
-        loaded = AutoModelForCausalLM.from_pretrained(out / "agents" / f"agent_{i}")
-        ids = agent.tokenizer(["alice and bob", "def add(a, b):"], return_tensors="pt", padding=True)
-        with torch.no_grad():
-            expected_logits = agent.model(**ids).logits
-            assert torch.allclose(loaded(**ids).logits, expected_logits, atol=1e-5), i
+    assert_saved_agents_compute(out, single)
     for path in saved:
         assert (out / "agents" / path).exists(), path
     checkpoint = out / "checkpoints" / "step_2"
@@ -238,26 +252,11 @@ def test_two_data_shards_train_what_one_process_trains(
     whole batch and the saved agents equal one process's run on all the prompts."""
     agents = [qwen_bpe, llama_word]
     one_process = {k: v for k, v in overrides.items() if k != "shard_optimizer"}
-    settings = run_args(prompts_per_step=4, max_steps=2, **one_process)
-    single = getattr(comarl, f"{trainer}Trainer")(
-        agents=agents,
-        train_dataset=DATA,
-        eval_dataset=DATA,
-        reward_func=two_word_reward,
-        args=getattr(comarl, f"{trainer}Config")(**settings),
-    )
-    expected = single.train()
+    single, expected = one_process_run(trainer, agents, prompts_per_step=4, max_steps=2, **one_process)
     out = tmp_path / "run"
     ranks = _launch(trainer, agents, out, {"prompts_per_step": 4, **overrides, "save_steps": 2}, "data")
-    compared = [k for k in expected if not k.startswith("time/") and k != "completions_per_s"]
-    for r in ranks:
-        for key in compared:
-            assert r["metrics"][key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
-    for i, agent in enumerate(single.team):
-        loaded = AutoModelForCausalLM.from_pretrained(out / "agents" / f"agent_{i}")
-        ids = agent.tokenizer(["alice and bob", "def add(a, b):"], return_tensors="pt", padding=True)
-        with torch.no_grad():
-            assert torch.allclose(loaded(**ids).logits, agent.model(**ids).logits, atol=1e-5), i
+    assert_metrics_equal(ranks, expected)
+    assert_saved_agents_compute(out, single)
     checkpoint = out / "checkpoints" / "step_2"
     assert sorted(p.name for p in checkpoint.iterdir()) == [
         "process_0.pt",
@@ -286,15 +285,8 @@ def test_madpo_data_shards_train_what_one_process_trains(qwen_bpe, llama_word, t
     single.candidates = torch.load(out / "candidates.pt", weights_only=False)
     expected = single.train()
     assert expected["pairs"] > 0 and expected["agent_1/margin"] != 0
-    compared = [k for k in expected if not k.startswith("time/")]
-    for r in ranks:
-        for key in compared:
-            assert r["metrics"][key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
-    for i, agent in enumerate(single.team):
-        loaded = AutoModelForCausalLM.from_pretrained(out / "agents" / f"agent_{i}")
-        ids = agent.tokenizer(["alice and bob", "def add(a, b):"], return_tensors="pt", padding=True)
-        with torch.no_grad():
-            assert torch.allclose(loaded(**ids).logits, agent.model(**ids).logits, atol=1e-5), i
+    assert_metrics_equal(ranks, expected)
+    assert_saved_agents_compute(out, single)
 
 
 @pytest.mark.slow
@@ -380,30 +372,15 @@ def test_agents_by_data_shards_grid_trains_what_one_process_trains(
     play their episodes together, each agent's two processes sum their gradients; metrics, checkpoint and saved
     agents equal one process's run on all the prompts."""
     agents = [qwen_bpe, llama_word]
-    settings = run_args(prompts_per_step=4, max_steps=2, **overrides)
-    single = getattr(comarl, f"{trainer}Trainer")(
-        agents=agents,
-        train_dataset=DATA,
-        reward_func=two_word_reward,
-        args=getattr(comarl, f"{trainer}Config")(**settings),
-    )
-    expected = single.train()
+    single, expected = one_process_run(trainer, agents, prompts_per_step=4, max_steps=2, **overrides)
     out = tmp_path / "run"
     ranks = _launch(
         trainer, agents, out, {"prompts_per_step": 4, **overrides, "save_steps": 2}, "grid", processes=4
     )
     assert [r["local"] for r in ranks] == [[0], [1], [0], [1]]  # rank = shard * agents + agent
     assert [r["torch_seed"] for r in ranks] == [5, 6, 7, 8]
-    compared = [k for k in expected if not k.startswith("time/") and k != "completions_per_s"]
-    assert any(k.startswith("agent_1/") for k in compared)
-    for r in ranks:
-        for key in compared:
-            assert r["metrics"][key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
-    for i, agent in enumerate(single.team):
-        loaded = AutoModelForCausalLM.from_pretrained(out / "agents" / f"agent_{i}")
-        ids = agent.tokenizer(["alice and bob", "def add(a, b):"], return_tensors="pt", padding=True)
-        with torch.no_grad():
-            assert torch.allclose(loaded(**ids).logits, agent.model(**ids).logits, atol=1e-5), i
+    assert_metrics_equal(ranks, expected)
+    assert_saved_agents_compute(out, single)
     checkpoint = out / "checkpoints" / "step_2"
     assert sorted(p.name for p in checkpoint.iterdir()) == [
         *(f"process_{r}.pt" for r in range(4)),
@@ -443,11 +420,7 @@ def test_data_parallel_run_resumes_exactly(qwen_bpe, llama_word, tmp_path, one_t
         assert ranks[0]["metrics"][key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
-    for i, agent in enumerate(single.team):
-        loaded = AutoModelForCausalLM.from_pretrained(out / "agents" / f"agent_{i}")
-        ids = agent.tokenizer(["alice and bob", "def add(a, b):"], return_tensors="pt", padding=True)
-        with torch.no_grad():
-            assert torch.allclose(loaded(**ids).logits, agent.model(**ids).logits, atol=1e-5), i
+    assert_saved_agents_compute(out, single)
 
 
 def test_data_parallel_checks(qwen_bpe, monkeypatch):
