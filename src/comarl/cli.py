@@ -166,9 +166,8 @@ def _train(spec: RunSpec, resume: bool = False) -> int:
         from comarl.tasks import demo
 
         base = Path(args.output_dir or "runs/demo") / "base_models"
-        if (
-            args.agent_parallel or args.data_parallel
-        ):  # every process builds the (same) tiny team, in its own folder
+        # Every process builds the (same) tiny team, each in its own folder.
+        if args.agent_parallel or args.data_parallel:
             base = base / f"rank_{os.environ.get('RANK', '0')}"
         trainer = demo.demo_trainer(trainer_cls, demo.build_team(base, seed=args.seed), args)
     elif spec.task in ("code", "writing"):
