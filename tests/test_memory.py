@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -182,3 +183,18 @@ def test_model_objects_are_not_planned(qwen_bpe):
     )
     assert trainer._memory_plan([model], ["cpu"]) == []
     assert torch.equal(next(trainer.team[0].model.parameters()), next(model.parameters()))
+
+
+def test_data_shards_are_told_to_shard_the_optimizer_and_the_plan_counts_the_shares(qwen_bpe):
+    """Under data parallelism over D processes (stood in for here: the plan and the fixes read only the shard
+    count), a team that does not fit is told about shard_optimizer; with it, each process plans 1/D of AdamW."""
+    plan, trainer = plan_of(MAGRPOTrainer, qwen_bpe, args())
+    trainer.data = SimpleNamespace(world_size=4)
+    fixes = trainer._memory_fixes([qwen_bpe] * 2, ["cpu"] * 2)
+    assert "shard_optimizer=True (each of the 4 data shards keeps 1/4 of every AdamW state)" in fixes
+    trainer.args.shard_optimizer = True
+    assert not any("shard_optimizer" in f for f in trainer._memory_fixes([qwen_bpe] * 2, ["cpu"] * 2))
+    sharded = {m.name: m for m in trainer._memory_plan([qwen_bpe] * 2, ["cpu"] * 2)}
+    trainable = model_size(qwen_bpe).trainable
+    assert plan["agent 0"].optimizer == 8 * trainable
+    assert sharded["agent 0"].optimizer == -(-8 * trainable // 4)

@@ -282,6 +282,11 @@ class MAGRPOTrainer:
             fixes.append(f"beta=0 (no KL reference copy; now beta={a.beta})")
         if len(set(devices)) < len(devices) and torch.cuda.device_count() > 1:
             fixes.append("agent_devices=[one device per agent], or agent_parallel=True under torchrun")
+        if self.data is not None and self.data.world_size > 1 and not a.shard_optimizer:
+            D = self.data.world_size
+            fixes.append(
+                f"shard_optimizer=True (each of the {D} data shards keeps 1/{D} of every AdamW state)"
+            )
         named = {str(m) for m in members if isinstance(m, (str, Path))}
         if len(members) > 1 and len(named) == 1 and not (a.lora_shared_base or a.share_weights):
             fixes.append("lora_shared_base=True with lora_r= (one copy of the base for every agent)")
