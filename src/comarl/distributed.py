@@ -56,6 +56,10 @@ class Processes:
     def barrier(self) -> None:
         self._dist.barrier(group=self.group)
 
+    def stride(self, items: Sequence[Any]) -> list[Any]:
+        """This process's share of ``items``: every world_size-th, from its rank."""
+        return list(items[self.rank :: self.world_size])
+
     def sum_values(self, values: dict[str, float]) -> dict[str, float]:
         """Each value of ``values`` summed over the processes (every process passes the same keys)."""
         parts = self.gather(values)

@@ -105,7 +105,7 @@ class ActorCriticTrainer(MAGRPOTrainer):
         self.critic_optimizers = [
             adamw(
                 list(c.parameters()),
-                self.data if a.shard_optimizer else None,
+                self._optimizer_group(self.data),
                 lr=a.critic_learning_rate,
                 betas=(a.adam_beta1, a.adam_beta2),
             )
@@ -124,7 +124,7 @@ class ActorCriticTrainer(MAGRPOTrainer):
 
     def _memory_plan(self, members: Sequence[Any], devices: Sequence[str]) -> list[ModelMemory]:
         """The agents' memory and that of the critics with their own backbone (value heads are a few kilobytes)."""
-        a, plan, shards = self.args, super()._memory_plan(members, devices), self._optimizer_shards()
+        a, plan, shards = self.args, super()._memory_plan(members, devices), self._optimizer_shards(self.data)
         if a.centralized_critic:
             size = model_size(a.critic_model or members[0], lm_head=False) if 0 in self.local else None
             if size is not None:

@@ -263,14 +263,20 @@ class MAGRPOTrainer:
                     owns_weights=not shares,
                     trains=trains,
                     reference=self._keeps_reference() and lora is None and trains,
-                    optimizer_shards=self._optimizer_shards(),
+                    optimizer_shards=self._optimizer_shards(self.data),
                 )
             )
         return plan
 
-    def _optimizer_shards(self) -> int:
-        """Processes that share each replicated model's AdamW state (``shard_optimizer``), 1 when not sharded."""
-        return self.data.world_size if self.args.shard_optimizer and self.data is not None else 1
+    def _optimizer_group(self, copies: Processes | None) -> Processes | None:
+        """The processes that share the AdamW state of a model that ``copies`` hold copies of: ``copies`` with
+        ``shard_optimizer``, else None (each process keeps all of it)."""
+        return copies if self.args.shard_optimizer else None
+
+    def _optimizer_shards(self, copies: Processes | None) -> int:
+        """How many processes share the AdamW state of a model that ``copies`` hold copies of (1: not shared)."""
+        group = self._optimizer_group(copies)
+        return group.world_size if group is not None else 1
 
     def _memory_fixes(self, members: Sequence[Any], devices: Sequence[str]) -> list[str]:
         """What would shrink the plan, for the error of check_fits."""
@@ -726,7 +732,7 @@ class MAGRPOTrainer:
         params = [p for p in agent.model.parameters() if p.requires_grad]
         return adamw(
             params,
-            self.data if a.shard_optimizer else None,
+            self._optimizer_group(self.data),
             lr=lr,
             betas=(a.adam_beta1, a.adam_beta2),
             eps=a.adam_epsilon,

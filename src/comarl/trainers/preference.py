@@ -39,6 +39,7 @@ from comarl.agents import Agent
 from comarl.algorithms import dpo_margins, preference_loss, preference_pairs, sequence_logprobs
 from comarl.config import ConfigError, MADPOConfig, MARLHFConfig
 from comarl.critics import CriticModel, joint_observation
+from comarl.distributed import DataParallel
 from comarl.engines import Generation, concat_generations
 from comarl.envs import Env, StepResult, prompt_text
 from comarl.memory import ModelMemory, model_memory, model_size
@@ -215,14 +216,9 @@ class MADPOTrainer(MAGRPOTrainer):
         process samples every world_size-th item, as many per call as in a training step, and then every process
         holds them all."""
         args, K, size = self.args, self.args.num_generations, len(self.train_dataset)
-        indices, per_call = list(range(size)), args.prompts_per_step
-        if self.data is not None:
-            indices = indices[self.data.rank :: self.data.world_size]
-            per_call //= self.data.world_size
         cache: dict[int, dict[str, Any]] = {}
         seconds = 0.0
-        for start in range(0, len(indices), per_call):
-            chunk = indices[start : start + per_call]
+        for chunk in dataset_chunks(size, args.prompts_per_step, self.data):
             rollout = self._collect([self.train_dataset[j] for j in chunk])
             seconds += rollout.generate_seconds
             team_rewards = rollout.rewards.mean(dim=-1)
@@ -333,6 +329,16 @@ class MADPOTrainer(MAGRPOTrainer):
         return samples
 
 
+def dataset_chunks(size: int, prompts_per_step: int, data: DataParallel | None) -> list[list[int]]:
+    """The dataset indices this process answers when a whole training set is sampled once, one list per batched
+    call: all of them, ``prompts_per_step`` at a time; under data parallelism every world_size-th item, as many per
+    call as a shard takes in a training step."""
+    indices, per_call = list(range(size)), prompts_per_step
+    if data is not None:
+        indices, per_call = data.stride(indices), per_call // data.world_size
+    return [indices[s : s + per_call] for s in range(0, len(indices), per_call)]
+
+
 def _rows(gen: Generation, rows: slice) -> Generation:
     return Generation(
         gen.prompt_ids[rows],
@@ -428,7 +434,7 @@ class MARLHFTrainer(MAGRPOTrainer):
         self.reward_model = CriticModel.from_pretrained(source, outputs=1, device=device)
         self.reward_optimizer = adamw(
             list(self.reward_model.parameters()),
-            self.processes if a.shard_optimizer else None,
+            self._optimizer_group(self.processes),
             lr=a.reward_learning_rate,
             betas=(a.adam_beta1, a.adam_beta2),
         )
@@ -445,8 +451,7 @@ class MARLHFTrainer(MAGRPOTrainer):
         size = model_size(a.reward_model or members[0], lm_head=False)
         if size is not None:  # a copy in every process, on the device of its first agent
             trains = a.fit_reward_model or a.reward_refit_steps > 0
-            # every process holds a copy: with shard_optimizer they share its AdamW state
-            shards = self.processes.world_size if a.shard_optimizer and self.processes is not None else 1
+            shards = self._optimizer_shards(self.processes)  # every process holds a copy
             plan.append(
                 model_memory(
                     "reward model", devices[self.local[0]], size, trains=trains, optimizer_shards=shards
@@ -471,6 +476,7 @@ class MARLHFTrainer(MAGRPOTrainer):
         the one-process step.
         """
         args, procs = self.args, self.processes
+        share = procs.stride if procs is not None else list  # the pairs of a batch this process scores
         chosen, rejected = self._preference_texts() if pairs is None else (list(pairs[0]), list(pairs[1]))
         P = len(chosen)
         if P == 0 or len(rejected) != P:
@@ -492,7 +498,7 @@ class MARLHFTrainer(MAGRPOTrainer):
             totals = {"loss": 0.0}
             for s in range(0, P, bs):
                 batch = order[s : s + bs]
-                mine = batch if procs is None else batch[procs.rank :: procs.world_size]
+                mine = share(batch)
                 if mine:  # a process whose share is empty still takes part in the gradient sum
                     scores = model(*model.encode([chosen[j] for j in mine] + [rejected[j] for j in mine]))[
                         :, 0
@@ -507,7 +513,7 @@ class MARLHFTrainer(MAGRPOTrainer):
                 self.reward_optimizer.zero_grad(set_to_none=True)
         model.eval()
         self.reward_model_fitted = True
-        mine = list(range(P)) if procs is None else list(range(procs.rank, P, procs.world_size))
+        mine = share(list(range(P)))
         after = reward_scores(model, [chosen[j] for j in mine]) - reward_scores(
             model, [rejected[j] for j in mine]
         )
@@ -524,15 +530,11 @@ class MARLHFTrainer(MAGRPOTrainer):
         """The team's ``preference_num_candidates`` answers to every training prompt, paired by the task reward:
         ``(chosen, rejected)`` joint-observation texts. Data shards each answer every world_size-th item, as many
         per call as in a training step, and every process then holds every pair."""
-        args, K, size = self.args, self.args.preference_num_candidates, len(self.train_dataset)
-        indices, per_call = list(range(size)), args.prompts_per_step
-        if self.data is not None:
-            indices = indices[self.data.rank :: self.data.world_size]
-            per_call //= self.data.world_size
+        args, K = self.args, self.args.preference_num_candidates
         chosen: list[str] = []
         rejected: list[str] = []
-        for start in range(0, len(indices), per_call):
-            items = [self.train_dataset[j] for j in indices[start : start + per_call]]
+        for chunk in dataset_chunks(len(self.train_dataset), args.prompts_per_step, self.data):
+            items = [self.train_dataset[j] for j in chunk]
             rollout = collect(
                 self.task_env,
                 self.team.agents,
