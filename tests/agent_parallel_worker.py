@@ -7,6 +7,7 @@ import os
 import sys
 
 import torch
+from torch.distributed.tensor import DTensor
 
 import comarl
 from comarl.trainers.preference import reward_scores
@@ -42,9 +43,13 @@ def main() -> None:
         "local": trainer.local,
         "torch_seed": torch.initial_seed(),
         "fitted": fitted,
+        # parameters of each agent this process holds, and of the whole agent (shard_weights: a share of it)
+        "held": {i: sum(local(p).numel() for p in trainer.team[i].model.parameters()) for i in trainer.local},
+        "parameters": {i: sum(p.numel() for p in trainer.team[i].model.parameters()) for i in trainer.local},
         # the weights this process holds, to compare processes that should hold the same
         "weights": {
-            i: sum(float(p.double().sum()) for p in trainer.team[i].model.parameters()) for i in trainer.local
+            i: sum(float(whole(p).double().sum()) for p in trainer.team[i].model.parameters())
+            for i in trainer.local
         },
     }
     candidates = getattr(trainer, "candidates", None)  # MADPO's candidates of the initial team
@@ -54,6 +59,16 @@ def main() -> None:
             torch.save(candidates, os.path.join(spec["output_dir"], "candidates.pt"))
     with open(os.path.join(spec["output_dir"], f"rank_{trainer.processes.rank}.json"), "w") as f:
         json.dump(result, f)
+
+
+def local(param: torch.Tensor) -> torch.Tensor:
+    """The part of a parameter this process holds."""
+    return param.to_local() if isinstance(param, DTensor) else param
+
+
+def whole(param: torch.Tensor) -> torch.Tensor:
+    """A parameter's whole tensor (gathered from every data shard under shard_weights)."""
+    return param.full_tensor() if isinstance(param, DTensor) else param
 
 
 if __name__ == "__main__":

@@ -94,8 +94,14 @@ def _launch(
 ) -> list[dict]:
     """Run tests/agent_parallel_worker.py in ``processes`` processes (torchrun, gloo); each writes rank_<r>.json."""
     launched = _torchrun(trainer, agents, out, overrides, launch, resume, fit_first, processes)
-    assert launched.returncode == 0, launched.stderr[-3000:]
+    assert launched.returncode == 0, failure(launched.stderr)
     return [json.loads((out / f"rank_{r}.json").read_text()) for r in range(processes)]
+
+
+def failure(stderr: str) -> str:
+    """What a failed launch printed: each process's own last lines (its traceback), then torchrun's summary."""
+    ranks = [line for line in stderr.splitlines() if line.startswith("[rank")]
+    return "\n".join(ranks)[-4000:] + "\n" + stderr[-1500:]
 
 
 def _torchrun(
@@ -237,9 +243,12 @@ def test_madpo_in_two_processes_exchanges_margins(qwen_bpe, llama_word, tmp_path
         ("MAREINFORCE", {}),
         # batch-wide statistics
         ("MAREINFORCE", {"scale": "batch", "beta": 0.05, "num_iterations": 2, "loss_aggregation": "grpo"}),
-        ("MAREINFORCE", {"lora_r": 4, "micro_batch_size": 1}),
-        # whitening, value heads, mini-batches drawn from the whole batch
-        ("IPPO", {"num_iterations": 2, "num_mini_batches": 2}),
+        # each process keeps half of every weight (FSDP2): the KL reference copy too
+        ("MAREINFORCE", {"beta": 0.05, "shard_weights": True}),
+        # sharded base and adapters, gradients summed over micro-batches
+        ("MAREINFORCE", {"lora_r": 4, "micro_batch_size": 1, "shard_weights": True}),
+        # whitening, value heads (whole copies) on sharded agents, mini-batches drawn from the whole batch
+        ("IPPO", {"num_iterations": 2, "num_mini_batches": 2, "shard_weights": True}),
         ("MAPPO", {"num_iterations": 2, "num_mini_batches": 2}),  # a separate centralized critic
         # each process keeps half of every AdamW state: the agents' and the critic's
         ("MAPPO", {"num_iterations": 2, "num_mini_batches": 2, "shard_optimizer": True}),
@@ -251,10 +260,13 @@ def test_two_data_shards_train_what_one_process_trains(
     """data_parallel: each process takes half of every step's prompts; the summed gradients, the metrics of the
     whole batch and the saved agents equal one process's run on all the prompts."""
     agents = [qwen_bpe, llama_word]
-    one_process = {k: v for k, v in overrides.items() if k != "shard_optimizer"}
+    one_process = {k: v for k, v in overrides.items() if k not in ("shard_optimizer", "shard_weights")}
     single, expected = one_process_run(trainer, agents, prompts_per_step=4, max_steps=2, **one_process)
     out = tmp_path / "run"
     ranks = _launch(trainer, agents, out, {"prompts_per_step": 4, **overrides, "save_steps": 2}, "data")
+    for i in ("0", "1"):  # shard_weights: the processes hold disjoint parts of each agent, adding up to it
+        held, whole = [r["held"][i] for r in ranks], ranks[0]["parameters"][i]
+        assert sum(held) == whole if overrides.get("shard_weights") else held == [whole, whole]
     assert_metrics_equal(ranks, expected)
     assert_saved_agents_compute(out, single)
     checkpoint = out / "checkpoints" / "step_2"
@@ -292,8 +304,15 @@ def test_madpo_data_shards_train_what_one_process_trains(qwen_bpe, llama_word, t
 @pytest.mark.slow
 def test_madpo_data_shards_sampling_every_step_stay_in_step(qwen_bpe, llama_word, tmp_path):
     """candidates_from='current': each process samples its own items every step; both report the whole batch's
-    metrics and keep the same weights."""
-    settings = {"prompts_per_step": 4, "num_generations": 4, "top_k": None, "candidates_from": "current"}
+    metrics and keep the same weights. Here each process holds half of every agent and of its DPO reference
+    (shard_weights)."""
+    settings = {
+        "prompts_per_step": 4,
+        "num_generations": 4,
+        "top_k": None,
+        "candidates_from": "current",
+        "shard_weights": True,
+    }
     ranks = _launch("MADPO", [qwen_bpe, llama_word], tmp_path / "run", settings, "data")
     first, second = ranks
     assert first["metrics"]["pairs"] > 0
@@ -301,6 +320,8 @@ def test_madpo_data_shards_sampling_every_step_stay_in_step(qwen_bpe, llama_word
         assert first["metrics"][key] == second["metrics"][key], key
     assert first["weights"] == second["weights"]
     assert first["metrics"]["agent_0/margin"] != 0
+    for i in ("0", "1"):
+        assert first["held"][i] + second["held"][i] == first["parameters"][i] and second["held"][i] > 0
 
 
 @pytest.mark.slow
@@ -358,7 +379,8 @@ def test_marlhf_processes_fit_the_reward_model_one_process_fits(
 @pytest.mark.parametrize(
     ("trainer", "overrides"),
     [
-        ("MAREINFORCE", {"scale": "batch", "beta": 0.05, "num_iterations": 2}),
+        # each agent split between its two processes (FSDP2 over the agent's group)
+        ("MAREINFORCE", {"scale": "batch", "beta": 0.05, "num_iterations": 2, "shard_weights": True}),
         (
             "MAPPO",
             {"num_iterations": 2, "num_mini_batches": 2},
@@ -372,12 +394,17 @@ def test_agents_by_data_shards_grid_trains_what_one_process_trains(
     play their episodes together, each agent's two processes sum their gradients; metrics, checkpoint and saved
     agents equal one process's run on all the prompts."""
     agents = [qwen_bpe, llama_word]
-    single, expected = one_process_run(trainer, agents, prompts_per_step=4, max_steps=2, **overrides)
+    one_process = {k: v for k, v in overrides.items() if k != "shard_weights"}
+    single, expected = one_process_run(trainer, agents, prompts_per_step=4, max_steps=2, **one_process)
     out = tmp_path / "run"
     ranks = _launch(
         trainer, agents, out, {"prompts_per_step": 4, **overrides, "save_steps": 2}, "grid", processes=4
     )
     assert [r["local"] for r in ranks] == [[0], [1], [0], [1]]  # rank = shard * agents + agent
+    if overrides.get("shard_weights"):  # agent i's processes (ranks i and i + 2) hold its two halves
+        for i in (0, 1):
+            held = [ranks[r]["held"][str(i)] for r in (i, i + 2)]
+            assert sum(held) == ranks[i]["parameters"][str(i)] and min(held) > 0
     assert [r["torch_seed"] for r in ranks] == [5, 6, 7, 8]
     assert_metrics_equal(ranks, expected)
     assert_saved_agents_compute(out, single)
@@ -398,11 +425,11 @@ def test_grid_needs_a_multiple_of_the_agents(qwen_bpe, llama_word, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sharded", [False, True])
+@pytest.mark.parametrize("sharded", ["shard_optimizer", "shard_weights"])
 def test_data_parallel_run_resumes_exactly(qwen_bpe, llama_word, tmp_path, one_thread, sharded):
     """Two processes stop after a checkpoint at step 2; relaunched with --resume they end where one process's
-    unbroken 4-step run ends. With shard_optimizer each process saves and restores its share of AdamW's state
-    and the warmup's learning rate."""
+    unbroken 4-step run ends. Each process saves and restores its share: of AdamW's state and the warmup's
+    learning rate (shard_optimizer), or of the weights, the KL reference and AdamW's state (shard_weights)."""
     agents = [qwen_bpe, llama_word]
     schedule = {"beta": 0.05, "warmup_steps": 3}  # the learning rate changes at every step
     single = MAREINFORCETrainer(
@@ -413,7 +440,7 @@ def test_data_parallel_run_resumes_exactly(qwen_bpe, llama_word, tmp_path, one_t
     )
     expected = single.train()
     out = tmp_path / "run"
-    first = {"prompts_per_step": 2, **schedule, "max_steps": 2, "save_steps": 2, "shard_optimizer": sharded}
+    first = {"prompts_per_step": 2, **schedule, "max_steps": 2, "save_steps": 2, sharded: True}
     _launch("MAREINFORCE", agents, out, first, "data")
     ranks = _launch("MAREINFORCE", agents, out, {**first, "max_steps": 4}, "data", resume=True)
     for key in ("reward", "agent_0/loss", "agent_1/kl", "agent_1/grad_norm", "agent_1/lr"):
@@ -428,6 +455,14 @@ def test_data_parallel_checks(qwen_bpe, monkeypatch):
         ConfigError, match=r"shard_optimizer=True shares AdamW's state .* set data_parallel=True"
     ):
         MAREINFORCEConfig(shard_optimizer=True)
+    with pytest.raises(
+        ConfigError, match=r"shard_weights=True splits each agent among the copies .* set data_parallel=True"
+    ):
+        MAREINFORCEConfig(shard_weights=True)
+    with pytest.raises(
+        ConfigError, match=r"shard_weights=True shards each agent's own model; lora_shared_base=True"
+    ):
+        MAREINFORCEConfig(data_parallel=True, shard_weights=True, lora_r=4, lora_shared_base=True)
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ConfigError, match="data_parallel=True needs its processes: launch with `torchrun"):
         MAREINFORCETrainer(

@@ -41,6 +41,19 @@ def test_model_memory_counts_fp32_weights_gradients_adamw_and_reference_by_hand(
     # shard_optimizer over 3 data shards: each keeps a third of the AdamW state (rounded up)
     sharded = model_memory("agent 0", "cpu", ModelSize(1000, 1000), optimizer_shards=3)
     assert (sharded.optimizer, sharded.total) == (2667, 4000 + 4000 + 2667)
+    # shard_weights over 3 data shards: a third of everything (rounded up), plus the whole weights gathered for
+    # generation
+    split = model_memory("agent 0", "cpu", ModelSize(1000, 1000), reference=True, weight_shards=3)
+    assert (split.weights, split.gradients, split.optimizer, split.reference, split.gathered) == (
+        1334,
+        1334,
+        2667,
+        1334,
+        4000,
+    )
+    assert split.total == 1334 * 3 + 2667 + 4000
+    lora = model_memory("agent 0", "cpu", ModelSize(1100, 100), weight_shards=2)  # adapters: 100 trainable
+    assert (lora.weights, lora.gradients, lora.optimizer, lora.gathered) == (2200, 200, 400, 4400)
 
 
 def test_model_size_counts_without_loading_as_the_loaded_model_has(qwen_bpe):
@@ -187,11 +200,26 @@ def test_model_objects_are_not_planned(qwen_bpe):
 
 def test_data_shards_are_told_to_shard_the_optimizer_and_the_plan_counts_the_shares(qwen_bpe):
     """Under data parallelism over D processes (stood in for here: the plan and the fixes read only the shard
-    count), a team that does not fit is told about shard_optimizer; with it, each process plans 1/D of AdamW."""
+    count), a team that does not fit is told about shard_weights and shard_optimizer; with shard_weights each
+    process plans 1/D of every agent plus its whole weights for generation, with shard_optimizer 1/D of AdamW."""
     plan, trainer = plan_of(MAGRPOTrainer, qwen_bpe, args())
     trainer.data = SimpleNamespace(world_size=4)
     fixes = trainer._memory_fixes([qwen_bpe] * 2, ["cpu"] * 2)
     assert "shard_optimizer=True (each of the 4 data shards keeps 1/4 of every AdamW state)" in fixes
+    assert (
+        "shard_weights=True (each of the 4 data shards keeps 1/4 of every agent's weights, gradients and AdamW "
+        "states)" in fixes
+    )
+    trainer.args.shard_weights = True  # the plan splits every agent four ways
+    assert not any("shard_" in f for f in trainer._memory_fixes([qwen_bpe] * 2, ["cpu"] * 2))
+    split = {m.name: m for m in trainer._memory_plan([qwen_bpe] * 2, ["cpu"] * 2)}
+    size = model_size(qwen_bpe)
+    assert (split["agent 0"].weights, split["agent 0"].optimizer, split["agent 0"].gathered) == (
+        -(-4 * size.parameters // 4),
+        -(-8 * size.trainable // 4),
+        4 * size.parameters,
+    )
+    trainer.args.shard_weights = False
     trainer.args.shard_optimizer = True
     assert not any("shard_optimizer" in f for f in trainer._memory_fixes([qwen_bpe] * 2, ["cpu"] * 2))
     sharded = {m.name: m for m in trainer._memory_plan([qwen_bpe] * 2, ["cpu"] * 2)}

@@ -144,13 +144,19 @@ class Agent:
         Rows that share a prompt (the G samples of a group) share its computation: the distinct
         prompts (all but their last token) run once, their KV cache is gathered to every row, and
         only the last prompt token + the completion run per row. Gradients flow through the shared
-        prompt as through G copies of it. Not under gradient checkpointing, which drops caches.
+        prompt as through G copies of it. Not under gradient checkpointing, which drops caches, nor for a model
+        sharded by FSDP2 (``shard_weights``), which frees each layer's gathered weights after its own backward,
+        while the cache carries gradients from the completion's forward back into the prompt's.
         """
         model = self.model if model is None else model
         T = completion_ids.shape[1]
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-        shared = _shared_prompts(prompt_ids, prompt_mask) if not _checkpointing(model) else None
+        shared = (
+            _shared_prompts(prompt_ids, prompt_mask)
+            if not (_checkpointing(model) or _sharded(model))
+            else None
+        )
         if shared is None:
             logits = model(
                 input_ids=torch.cat([prompt_ids, completion_ids], dim=1),
@@ -210,6 +216,15 @@ def _shared_prompts(
 def _checkpointing(model: Any) -> bool:
     """Whether activation checkpointing is on (transformers then drops the KV cache in training forwards)."""
     return any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
+
+
+def _sharded(model: Any) -> bool:
+    """Whether FSDP2 splits the model's weights among processes (``shard_weights``)."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    from torch.distributed.fsdp import FSDPModule
+
+    return any(isinstance(module, FSDPModule) for module in model.modules())
 
 
 def prepare_tokenizer(tokenizer: Any) -> Any:

@@ -265,6 +265,14 @@ class MAGRPOConfig:
         "ZeroRedundancyOptimizer). The same step, with optimizer memory 8 bytes per trained parameter / D.",
         default=False,
     )
+    shard_weights: bool = _help(
+        "With data_parallel=True: the D processes that hold copies of an agent each keep 1/D of its weights, "
+        "gradients and AdamW state (FSDP2, torch's fully_shard, one unit per decoder layer); layers are gathered "
+        "for each forward, and whole for each generate call. The same step, with an agent's training memory / D. "
+        "Critics and reward models stay whole copies (shard_optimizer shards their AdamW states). See "
+        "docs/distributed.md.",
+        default=False,
+    )
     bf16: bool = _help(
         "bf16 autocast for generation and training forwards (GPU or CPU); weights and AdamW states stay fp32. On CPU "
         "it pays only where the CPU has bf16 instructions (AVX512-BF16, AMX).",
@@ -443,6 +451,17 @@ class MAGRPOConfig:
             raise ConfigError(
                 "shard_optimizer=True shares AdamW's state among the copies that data_parallel=True makes; "
                 "set data_parallel=True (or shard_optimizer=False)"
+            )
+        if self.shard_weights and not self.data_parallel:
+            raise ConfigError(
+                "shard_weights=True splits each agent among the copies that data_parallel=True makes; "
+                "set data_parallel=True (or shard_weights=False)"
+            )
+        if self.shard_weights and (self.share_weights or self.lora_shared_base):
+            shared = "share_weights" if self.share_weights else "lora_shared_base"
+            raise ConfigError(
+                f"shard_weights=True shards each agent's own model; {shared}=True shares one model between agents, "
+                "which is not sharded: turn one off (lora_r= alone keeps every agent's trainable state small)"
             )
         if self.share_weights:
             clash = [

@@ -1,8 +1,9 @@
 """Critics for the actor-critic family: a value head on an agent's own model, or a separate critic model.
 
 Values are turn-level: one value per observation (the state an agent answers from), read from a
-single hidden state — the last prompt token — of the model's backbone. The backbone is called
-directly, so no LM logits and no list of every layer's hidden states are computed for a value.
+single hidden state — the last prompt token — of the model's backbone, taken on the way through the
+model's own forward (so the model's hooks run: LoRA, FSDP2's gathering of sharded weights), without a list
+of every layer's hidden states; a value alone computes the LM logits of one position only.
 
 - ``ValueHead``: ``Linear(hidden, outputs)`` on an agent's backbone; the agent's policy forward then
   yields log-probs and the value in one pass (``policy_forward``).
@@ -77,23 +78,28 @@ def backbone(model: Any) -> Any:
     return getattr(model, "base_model", model)
 
 
-def _check_plain_lm_head(model: Any) -> None:
-    config = model.config
-    for name in ("final_logit_softcapping", "logit_scale"):
-        if getattr(config, name, None) not in (None, 1.0):
-            raise ValueError(
-                f"{type(model).__name__} post-processes its logits ({name}={getattr(config, name)}); the value head "
-                "shares the backbone forward and cannot reproduce that: use critic_model= (a separate critic)"
-            )
+def _forward_with_hidden(model: Any, logits_to_keep: int, **inputs: Any) -> tuple[Any, torch.Tensor]:
+    """``(logits of the last logits_to_keep positions, the backbone's last hidden state [B, L, H])`` from one call
+    of ``model`` itself; a bare backbone (a critic's ``AutoModel``) gives ``(None, its hidden state)``."""
+    core = backbone(model)
+    if core is model:
+        return None, model(**inputs, use_cache=False).last_hidden_state
+    captured: list[torch.Tensor] = []
+    handle = core.register_forward_hook(lambda module, args, out: captured.append(out.last_hidden_state))
+    try:
+        logits = model(**inputs, use_cache=False, logits_to_keep=logits_to_keep).logits
+    finally:
+        handle.remove()
+    return logits, captured[0]
 
 
 def last_token_hidden(model: Any, input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
     """Hidden state of each sequence's last token ``[B, H]`` (inputs are left-padded: the last column)."""
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    out = backbone(model)(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
+    _, hidden = _forward_with_hidden(
+        model, 1, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
     )
-    return out.last_hidden_state[:, -1]
+    return hidden[:, -1]
 
 
 def policy_forward(
@@ -109,20 +115,20 @@ def policy_forward(
 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
     """One batched forward over prompt+completion: token log-probs ``[B, T]``, entropies ``[B, T]`` and values.
 
-    The backbone runs once; the LM head is applied to the ``T`` positions that predict completion
-    tokens only, and the value head to the last prompt token (position ``P - 1``: the state the
-    agent answered from). Returns ``(logprobs, entropy or None, values [B, outputs] or None)``.
-    With ``entropy_grad=False`` the entropy is a metric only: no graph is kept for its ``[B, T, V]`` softmax.
+    The model runs once; its LM head computes the logits of the last ``T + 1`` positions only (the first
+    ``T`` predict the completion tokens), and the value head reads the backbone's hidden state of the last
+    prompt token (position ``P - 1``: the state the agent answered from). Returns
+    ``(logprobs, entropy or None, values [B, outputs] or None)``. With ``entropy_grad=False`` the entropy is a
+    metric only: no graph is kept for its ``[B, T, V]`` softmax.
     """
-    _check_plain_lm_head(model)
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    hidden = backbone(model)(
-        input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False
-    ).last_hidden_state
     P, T = prompt_ids.shape[1], completion_ids.shape[1]
-    logits = model.get_output_embeddings()(hidden[:, P - 1 : P - 1 + T])
+    logits, hidden = _forward_with_hidden(
+        model, T + 1, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
+    )
+    logits = logits[:, :-1]
     logprobs = token_logprobs(logits, completion_ids, temperature)
     entropy = None
     if with_entropy:

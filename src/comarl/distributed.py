@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import atexit
 import hashlib
+import math
 import os
 import pickle
 from collections.abc import Sequence
@@ -133,6 +134,61 @@ class DataParallel(Processes):
         size = len(items) // self.world_size
         return list(items[self.rank * size : (self.rank + 1) * size])
 
+    def shard_model(self, model: Any) -> Any:
+        """``model`` split among these processes (``shard_weights``, FSDP2's ``fully_shard``): each keeps 1/D of
+        every weight, and of its gradient and AdamW state. Every decoder layer (the classes the model names in
+        ``_no_split_modules``) is one unit, gathered for its forward and backward, then the rest of the model.
+        Gradients reach each shard summed over the processes, not averaged: the trainers' losses are already
+        normalised over the whole batch, as the flat all-reduce of unsharded copies assumes.
+        Returns ``model`` itself (fully_shard changes it in place)."""
+        from torch.distributed.device_mesh import DeviceMesh
+        from torch.distributed.fsdp import FSDPModule, fully_shard
+
+        group = self.group if self.group is not None else self._dist.group.WORLD
+        device = next(model.parameters()).device
+        mesh = DeviceMesh.from_group(group, device_type=device.type)
+        base = model.get_base_model() if hasattr(model, "get_base_model") else model  # under LoRA adapters
+        layers = set(getattr(base, "_no_split_modules", None) or ())
+        for module in model.modules():
+            if type(module).__name__ in layers:
+                fully_shard(module, mesh=mesh, reshard_after_forward=True)
+        fully_shard(model, mesh=mesh, reshard_after_forward=False)  # FSDP2's rule for the root
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                # A sum: no division by D, and gloo has no pre-multiplied sum (the only kind NCCL needs no copy for).
+                module.set_gradient_divide_factor(1.0)
+                module.set_force_sum_reduction_for_comms(True)
+        return model
+
+
+def sum_and_clip_gradients(
+    params: Sequence[torch.Tensor], copies: Processes | None, max_norm: float | None
+) -> float:
+    """The batch's gradient of ``params``, clipped to ``max_norm`` (None: not clipped); returns its norm before
+    clipping. ``copies``: the processes holding copies of them, whose gradients are summed first (one flat
+    all-reduce). Parameters sharded by ``DataParallel.shard_model`` arrive summed by their reduce-scatter; the
+    norm then adds the squares of both kinds, ``sqrt(|g_whole|^2 + |g_sharded|^2)``, and every gradient is scaled
+    by ``min(1, max_norm / (norm + 1e-6))`` (``clip_grad_norm_``'s rule, which cannot mix the two kinds)."""
+    from torch.distributed.tensor import DTensor
+
+    sharded = [p for p in params if isinstance(p, DTensor)]
+    whole = [p for p in params if not isinstance(p, DTensor)]
+    if copies is not None and whole:
+        copies.all_reduce_grads(whole)
+    if not sharded:
+        return float(torch.nn.utils.clip_grad_norm_(whole, max_norm if max_norm is not None else math.inf))
+    grads = [p.grad for p in sharded if p.grad is not None]
+    squares = float(torch.nn.utils.get_total_norm(grads).full_tensor()) ** 2 if grads else 0.0
+    whole_grads = [p.grad for p in whole if p.grad is not None]
+    if whole_grads:
+        squares += float(torch.nn.utils.get_total_norm(whole_grads)) ** 2
+    norm = math.sqrt(squares)
+    if max_norm is not None and norm + 1e-6 > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for g in grads + whole_grads:
+            g.mul_(scale)
+    return norm
+
 
 def launch(
     num_agents: int, agent_parallel: bool, data_parallel: bool
@@ -200,8 +256,9 @@ def _backend(world_size: int) -> str:
     return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
 
 
-def save_own_model(model: Any, path: Any) -> None:
-    """``model.save_pretrained(path)`` from any rank (in a single process: exactly ``save_pretrained``).
+def save_own_model(model: Any, path: Any, state_dict: dict[str, torch.Tensor] | None = None) -> None:
+    """``model.save_pretrained(path)`` from any rank (in a single process: exactly ``save_pretrained``);
+    ``state_dict``: the weights to write, for a sharded model (:func:`whole_state_dict`).
 
     Once torch.distributed is initialised, transformers writes weights only on rank 0
     (``should_save_on_this_rank``: it assumes every rank holds a shard of one model); here every rank
@@ -209,6 +266,26 @@ def save_own_model(model: Any, path: Any) -> None:
     """
     model.should_save_on_this_rank = lambda is_main_process: is_main_process
     try:
-        model.save_pretrained(path)
+        if state_dict is None:
+            model.save_pretrained(path)
+        else:
+            model.save_pretrained(path, state_dict=state_dict)
     finally:
         del model.should_save_on_this_rank
+
+
+def whole_state_dict(model: Any, keep: bool) -> dict[str, torch.Tensor] | None:
+    """The whole weights of a model sharded by :meth:`DataParallel.shard_model`, on the CPU, where ``keep`` (an
+    empty dict elsewhere). Every process holding a share must call it: each tensor is gathered over the model's
+    own group, one at a time, so a process that does not keep them never holds more than one. None for a model
+    that is not sharded."""
+    from torch.distributed.tensor import DTensor
+
+    if not any(isinstance(p, DTensor) for p in model.parameters()):
+        return None
+    weights = {}
+    for name, value in model.state_dict().items():
+        whole = value.full_tensor() if isinstance(value, DTensor) else value
+        if keep:
+            weights[name] = whole.cpu()
+    return weights

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
 from typing import Any
 
@@ -81,7 +81,7 @@ class HFEngine:
         was_training = agent.model.training
         agent.model.eval()
         try:
-            with bf16_autocast(prompt_ids.device, self.bf16):
+            with bf16_autocast(prompt_ids.device, self.bf16), whole_weights(agent.model):
                 completion_ids = sample_completions(
                     agent.model,
                     prompt_ids,
@@ -108,6 +108,30 @@ class HFEngine:
             repeated,
             texts,
         )
+
+
+@contextmanager
+def whole_weights(model: Any) -> Iterator[None]:
+    """Inside the block, a model sharded by FSDP2 (``shard_weights``) keeps each layer whole from its first
+    forward on: one all-gather per layer per generate call instead of one per new token. The shards are
+    restored at the end (layers reshard after each forward again, the root keeps its weights, FSDP2's default).
+    Any other model is unchanged."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        yield  # nothing is sharded, and no FSDP import
+        return
+    from torch.distributed.fsdp import FSDPModule
+
+    if not isinstance(model, FSDPModule):
+        yield
+        return
+    model.set_reshard_after_forward(False)
+    try:
+        yield
+    finally:
+        for module in model.modules():
+            if isinstance(module, FSDPModule):
+                module.reshard()
+                module.set_reshard_after_forward(module is not model, recurse=False)
 
 
 def bf16_autocast(device: torch.device, enabled: bool) -> AbstractContextManager[Any]:

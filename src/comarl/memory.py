@@ -36,7 +36,9 @@ class ModelMemory:
 
     ``weights = 4 P`` (P parameters, fp32; only the adapters' for an agent that shares another's base),
     ``gradients = 4 T`` and ``optimizer = 8 T`` (T trainable parameters; AdamW's two moments),
-    ``reference = 4 P`` (the KL reference copy, kept only for full fine-tuning).
+    ``reference = 4 P`` (the KL reference copy, kept only for full fine-tuning). A model split among D
+    processes (``shard_weights``) holds each of these / D, and ``gathered = 4 P``: its whole weights, assembled
+    for every generate call.
     """
 
     name: str
@@ -45,10 +47,11 @@ class ModelMemory:
     gradients: int
     optimizer: int
     reference: int
+    gathered: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.reference
+        return self.weights + self.gradients + self.optimizer + self.reference + self.gathered
 
 
 def model_size(
@@ -92,19 +95,27 @@ def model_memory(
     trains: bool = True,
     reference: bool = False,
     optimizer_shards: int = 1,
+    weight_shards: int = 1,
 ) -> ModelMemory:
     """The bytes of one model: see :class:`ModelMemory`. ``trains=False``: frozen (no gradients or optimizer
     state); ``owns_weights=False``: the base weights are another agent's (a shared LoRA base: only its own
     adapters count; one shared model: nothing); ``reference``: a frozen copy of the weights is kept;
-    ``optimizer_shards``: the processes that share its AdamW state (``shard_optimizer``), each holding a share."""
+    ``optimizer_shards``: the processes that share its AdamW state (``shard_optimizer``), each holding a share;
+    ``weight_shards``: the processes among which the whole model is split (``shard_weights``)."""
     trainable = size.trainable if trains else 0
+    D = weight_shards
+
+    def share(n: int) -> int:
+        return -(-n // D)  # rounded up
+
     return ModelMemory(
         name=name,
         device=device,
-        weights=4 * size.parameters if owns_weights else 4 * trainable,
-        gradients=4 * trainable,
-        optimizer=-(-8 * trainable // optimizer_shards),
-        reference=4 * size.parameters if reference else 0,
+        weights=share(4 * size.parameters if owns_weights else 4 * trainable),
+        gradients=share(4 * trainable),
+        optimizer=share(-(-8 * trainable // optimizer_shards)),
+        reference=share(4 * size.parameters) if reference else 0,
+        gathered=4 * size.parameters if D > 1 else 0,
     )
 
 
@@ -156,6 +167,7 @@ def check_fits(plan: Sequence[ModelMemory], free: dict[str, int | None], fixes: 
         parts = "; ".join(
             f"{m.name}: weights {m.weights / GIB:.1f}, gradients {m.gradients / GIB:.1f}, "
             f"AdamW states {m.optimizer / GIB:.1f}, KL reference {m.reference / GIB:.1f}"
+            + (f", whole weights while generating {m.gathered / GIB:.1f}" if m.gathered else "")
             for m in on_device
         )
         raise ConfigError(

@@ -19,7 +19,6 @@ One training step, top to bottom (``training_step``):
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,6 +46,7 @@ from comarl.critics import (
     last_token_hidden,
     policy_forward,
 )
+from comarl.distributed import sum_and_clip_gradients
 from comarl.engines import Generation
 from comarl.envs import prompt_text
 from comarl.memory import ModelMemory, model_memory, model_size
@@ -433,10 +433,8 @@ class ActorCriticTrainer(MAGRPOTrainer):
 
     def _step(self, optimizer: torch.optim.Optimizer, params: Any, head: ValueHead | None) -> float:
         params = [p for p in params if p.requires_grad] + ([] if head is None else list(head.parameters()))
-        if self.data is not None:  # the batch's gradient: the sum of every process's part
-            self.data.all_reduce_grads(params)
-        max_norm = self.args.max_grad_norm if self.args.max_grad_norm is not None else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        # The batch's gradient: the sum of every process's part under data parallelism.
+        grad_norm = sum_and_clip_gradients(params, self.data, self.args.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
         return grad_norm
@@ -486,6 +484,8 @@ class ActorCriticTrainer(MAGRPOTrainer):
         """Agents as ``agent_i/`` (with ``value_head.pt`` when the critic is a head), critics as ``critic/``
         (centralized) or ``critic_i/``; each folder loads back with ``critic_model=`` / as an agent source."""
         super().save_model(output_dir)
+        if self.data is not None and self.data.rank != 0:  # its copies are equal: the first shard writes them
+            return
         for i, head in enumerate(self.value_heads or []):
             if head is not None:
                 head.save(Path(output_dir) / f"agent_{i}")

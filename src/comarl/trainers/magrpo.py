@@ -28,7 +28,15 @@ import torch
 from comarl.agents import Agent, Team, WithoutAdapters, add_lora, has_adapters, shared_base_lora
 from comarl.algorithms import aggregate_loss, clipped_surrogate, group_advantages, kl_k3
 from comarl.config import ConfigError, MAGRPOConfig, MAREINFORCEConfig, MAReMaxConfig, MARLOOConfig
-from comarl.distributed import DataParallel, Processes, RemoteAgent, launch, save_own_model
+from comarl.distributed import (
+    DataParallel,
+    Processes,
+    RemoteAgent,
+    launch,
+    save_own_model,
+    sum_and_clip_gradients,
+    whole_state_dict,
+)
 from comarl.engines import Generation, HFEngine, SamplingParams, bf16_autocast
 from comarl.envs import Env, FunctionEnv, comlrl_transition
 from comarl.memory import ModelMemory, ModelSize, check_fits, free_memory, model_memory, model_size, summary
@@ -219,8 +227,6 @@ class MAGRPOTrainer:
             self.schedulers = [self._schedule(optimizer)] * n
             self.references = [_reference(self.team[0].model)] * n if self._keeps_reference() else None
         else:
-            self.optimizers = [self._optimizer(i) if i in self.local else None for i in range(n)]
-            self.schedulers = [self._schedule(opt) if opt is not None else None for opt in self.optimizers]
             self.references = (
                 [
                     _reference(a.model) if i in self.local and i not in args.frozen_agents else None
@@ -229,6 +235,16 @@ class MAGRPOTrainer:
                 if self._keeps_reference()
                 else None
             )
+            if args.shard_weights:  # before the optimizers: they hold the shards
+                for i in self.local:
+                    self.data.shard_model(self.team[i].model)
+                    reference = self.references[i] if self.references is not None else None
+                    if isinstance(
+                        reference, torch.nn.Module
+                    ):  # a frozen copy (LoRA's reference is the model)
+                        self.data.shard_model(reference)
+            self.optimizers = [self._optimizer(i) if i in self.local else None for i in range(n)]
+            self.schedulers = [self._schedule(opt) if opt is not None else None for opt in self.optimizers]
         self.joint_generator = torch.Generator().manual_seed(args.seed + 1)
         self.step = 0
 
@@ -263,7 +279,8 @@ class MAGRPOTrainer:
                     owns_weights=not shares,
                     trains=trains,
                     reference=self._keeps_reference() and lora is None and trains,
-                    optimizer_shards=self._optimizer_shards(self.data),
+                    optimizer_shards=1 if a.shard_weights else self._optimizer_shards(self.data),
+                    weight_shards=self.data.world_size if a.shard_weights else 1,
                 )
             )
         return plan
@@ -288,11 +305,16 @@ class MAGRPOTrainer:
             fixes.append(f"beta=0 (no KL reference copy; now beta={a.beta})")
         if len(set(devices)) < len(devices) and torch.cuda.device_count() > 1:
             fixes.append("agent_devices=[one device per agent], or agent_parallel=True under torchrun")
-        if self.data is not None and self.data.world_size > 1 and not a.shard_optimizer:
+        if self.data is not None and self.data.world_size > 1 and not a.shard_weights:
             D = self.data.world_size
             fixes.append(
-                f"shard_optimizer=True (each of the {D} data shards keeps 1/{D} of every AdamW state)"
+                f"shard_weights=True (each of the {D} data shards keeps 1/{D} of every agent's weights, gradients "
+                "and AdamW states)"
             )
+            if not a.shard_optimizer:
+                fixes.append(
+                    f"shard_optimizer=True (each of the {D} data shards keeps 1/{D} of every AdamW state)"
+                )
         named = {str(m) for m in members if isinstance(m, (str, Path))}
         if len(members) > 1 and len(named) == 1 and not (a.lora_shared_base or a.share_weights):
             fixes.append("lora_shared_base=True with lora_r= (one copy of the base for every agent)")
@@ -489,12 +511,10 @@ class MAGRPOTrainer:
     def _apply_gradients(self, i: int) -> float:
         """Agent ``i``'s optimizer step on the gradients its backward passes left (summed over the processes under
         data parallelism, then clipped), and a schedule step; returns the gradient norm before clipping."""
-        args, optimizer = self.args, self.optimizers[i]
+        optimizer = self.optimizers[i]
         params = [p for p in self.team[i].model.parameters() if p.requires_grad]
-        if self.data is not None:  # the batch's gradient: the sum of every process's part
-            self.data.all_reduce_grads(params)
-        max_norm = args.max_grad_norm if args.max_grad_norm is not None else math.inf
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, max_norm))
+        # The batch's gradient: the sum of every process's part under data parallelism.
+        grad_norm = sum_and_clip_gradients(params, self.data, self.args.max_grad_norm)
         optimizer.step()
         self.schedulers[i].step()
         optimizer.zero_grad(set_to_none=True)
@@ -618,12 +638,16 @@ class MAGRPOTrainer:
     def save_model(self, output_dir: str | Path) -> None:
         """Write ``output_dir/agent_{i}/`` per agent, each loadable with ``from_pretrained`` (each process its own;
         under data parallelism, where every process holds the same weights, process 0)."""
-        if self.data is not None and self.data.rank != 0:
-            return
         for i in self.local:
             agent = self.team[i]
+            first = (
+                self.data is None or self.data.rank == 0
+            )  # the data shards' copies are equal: the first saves
+            weights = whole_state_dict(agent.model, keep=first)  # sharded: every data shard sends its part
+            if not first:
+                continue
             path = Path(output_dir) / f"agent_{i}"
-            save_own_model(agent.model, path)
+            save_own_model(agent.model, path, weights)
             agent.tokenizer.save_pretrained(path)
 
     # ------------------------------------------------------------------ helpers
@@ -732,7 +756,7 @@ class MAGRPOTrainer:
         params = [p for p in agent.model.parameters() if p.requires_grad]
         return adamw(
             params,
-            self._optimizer_group(self.data),
+            None if a.shard_weights else self._optimizer_group(self.data),  # shard_weights: already a share
             lr=lr,
             betas=(a.adam_beta1, a.adam_beta2),
             eps=a.adam_epsilon,

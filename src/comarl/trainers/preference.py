@@ -27,7 +27,6 @@ reward model's score (``RewardModelEnv``) while the task reward is logged and ev
 from __future__ import annotations
 
 import copy
-import math
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -39,7 +38,7 @@ from comarl.agents import Agent
 from comarl.algorithms import dpo_margins, preference_loss, preference_pairs, sequence_logprobs
 from comarl.config import ConfigError, MADPOConfig, MARLHFConfig
 from comarl.critics import CriticModel, joint_observation
-from comarl.distributed import DataParallel
+from comarl.distributed import DataParallel, sum_and_clip_gradients
 from comarl.engines import Generation, concat_generations
 from comarl.envs import Env, StepResult, prompt_text
 from comarl.memory import ModelMemory, model_memory, model_size
@@ -492,7 +491,6 @@ class MARLHFTrainer(MAGRPOTrainer):
         model, bs = self.reward_model, args.reward_train_batch_size
         model.train()
         params = list(model.parameters())
-        max_norm = args.max_grad_norm if args.max_grad_norm is not None else math.inf
         for _ in range(args.reward_num_train_epochs):
             order = torch.randperm(P, generator=self.order_generator).tolist()
             totals = {"loss": 0.0}
@@ -506,9 +504,7 @@ class MARLHFTrainer(MAGRPOTrainer):
                     losses = preference_loss(scores[: len(mine)] - scores[len(mine) :])
                     (losses.sum() / len(batch)).backward()
                     totals["loss"] += float(losses.detach().sum())
-                if procs is not None:
-                    procs.all_reduce_grads(params)
-                torch.nn.utils.clip_grad_norm_(params, max_norm)
+                sum_and_clip_gradients(params, procs, args.max_grad_norm)
                 self.reward_optimizer.step()
                 self.reward_optimizer.zero_grad(set_to_none=True)
         model.eval()
