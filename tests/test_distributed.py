@@ -99,9 +99,15 @@ def _launch(
 
 
 def failure(stderr: str) -> str:
-    """What a failed launch printed: each process's own last lines (its traceback), then torchrun's summary."""
-    ranks = [line for line in stderr.splitlines() if line.startswith("[rank")]
-    return "\n".join(ranks)[-4000:] + "\n" + stderr[-1500:]
+    """What a failed launch printed: each process's own last lines (its traceback), the first abort with the
+    Python stacks faulthandler printed, then torchrun's summary."""
+    lines = stderr.splitlines()
+    ranks = [line for line in lines if line.startswith("[rank")]
+    abort = next(
+        (k for k, line in enumerate(lines) if line.startswith(("terminate called", "Fatal Python"))), None
+    )
+    stacks = lines[abort : abort + 40] if abort is not None else []
+    return "\n".join(ranks)[-4000:] + "\n" + "\n".join(stacks) + "\n" + stderr[-1500:]
 
 
 def _torchrun(
@@ -136,7 +142,8 @@ def _torchrun(
             str(Path(__file__).parent / "agent_parallel_worker.py"),
             spec,
         ],
-        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        # faulthandler: a process that aborts (e.g. at exit) prints every thread's Python stack into the failure
+        env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1"),
         capture_output=True,
         text=True,
         timeout=300,

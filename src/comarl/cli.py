@@ -200,7 +200,7 @@ def _train(spec: RunSpec, resume: bool = False) -> int:
     metrics = trainer.train(resume_from_checkpoint=True if resume else None)
     if trainer.eval_dataset is not None:
         metrics.update(trainer.evaluate())
-    if trainer.parallel is None or trainer.parallel.rank == 0:
+    if trainer.processes is None or trainer.processes.rank == 0:  # one summary per run, not per process
         print(json.dumps({k: round(v, 4) for k, v in metrics.items() if not k.startswith("time/")}, indent=1))
     return 0
 
