@@ -26,7 +26,7 @@ from comarl.algorithms import (
     value_loss,
     whiten,
 )
-from comarl.critics import VALUE_HEAD_FILE, last_token_hidden, policy_forward
+from comarl.critics import VALUE_HEAD_FILE, ValueHead, last_token_hidden, policy_forward
 from comarl.tasks import demo, relay
 
 # ----------------------------------------------------------------------------- TD(lambda) / GAE by hand
@@ -92,6 +92,15 @@ def test_counterfactual_baseline_with_three_samples_is_the_mean_of_the_other_two
     assert base[k].tolist() == [5.0, 3.5]
 
 
+def test_value_head_computes_in_fp32_under_bf16_autocast():
+    head = ValueHead(2)
+    with torch.no_grad():
+        head.linear.bias.fill_(3.3)  # in bf16: 3.296875
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        value = head(torch.zeros(1, 2, dtype=torch.bfloat16))
+    assert value.dtype == torch.float32 and value.item() == pytest.approx(3.3, abs=1e-6)
+
+
 def test_value_loss_clipping_by_hand():
     values, old, targets = (
         torch.tensor([1.5, 0.5, 2.5]),
@@ -108,6 +117,10 @@ def test_entropy_whitening_and_explained_variance():
     assert torch.allclose(token_entropy(torch.tensor([[[0.0, math.log(3.0)]]])), torch.tensor(0.5623351446))
     white = whiten(torch.tensor([1.0, 2.0, 3.0, 6.0]))
     assert abs(float(white.mean())) < 1e-6 and abs(float(white.std()) - 1) < 1e-6
+    # Equal advantages (every sample scored as its state's value predicts) teach nothing: exactly 0, not the
+    # +-0.7 that (x - mean) / (std + 1e-8) gives when the float32 mean of six 0.3s rounds.
+    assert torch.equal(whiten(torch.full((6,), 0.3)), torch.zeros(6))
+    assert torch.equal(whiten(torch.full((7,), 1.3)), torch.zeros(7))
     y = torch.tensor([1.0, 2.0, 3.0])
     assert explained_variance(y, y) == 1.0
     assert explained_variance(torch.full((3,), 2.0), y) == 0.0
@@ -192,8 +205,11 @@ def _count_steps(optimizer):
     ("cls", "config_cls", "per_update"), [(MAACTrainer, MAACConfig, 1), (MAPPOTrainer, MAPPOConfig, 8)]
 )
 def test_centralized_critic_steps_once_per_update_not_once_per_agent(team, cls, config_cls, per_update):
-    trainer = _trainer(cls, config_cls, team)
+    trainer = _trainer(cls, config_cls, team, weight_decay=0.1, adam_epsilon=1e-6)
     assert len(trainer.critics) == 1 and trainer.value_heads is None
+    # the critic's AdamW takes the config's settings (not torch's weight_decay=0.01, eps=1e-8)
+    group = trainer.critic_optimizers[0].param_groups[0]
+    assert (group["weight_decay"], group["eps"]) == (0.1, 1e-6)
     critic_steps = _count_steps(trainer.critic_optimizers[0])
     agent_steps = [_count_steps(opt) for opt in trainer.optimizers]
     trainer.train()

@@ -59,8 +59,11 @@ def _t(values):
 # ----------------------------------------------------------------------------- group_advantages
 
 
-@pytest.mark.parametrize("scale", ["group", "batch", "none"])
-@pytest.mark.parametrize("baseline", ["group_mean", "none", "leave_one_out", "group_max", "greedy"])
+@pytest.mark.parametrize(
+    ("baseline", "scale"),
+    [(b, sc) for b in ("group_mean", "leave_one_out", "group_max") for sc in ("group", "batch", "none")]
+    + [("none", "none"), ("greedy", "none")],
+)
 def test_group_advantages_every_baseline_and_scale(baseline, scale):
     greedy = _t(GREEDY) if baseline == "greedy" else None
     got = group_advantages(_t(RETURNS), baseline=baseline, scale=scale, greedy_returns=greedy)
@@ -91,6 +94,30 @@ def test_leave_one_out_is_g_over_g_minus_1_times_group_mean(scale):
     loo = group_advantages(returns, baseline="leave_one_out", scale=scale)
     mean = group_advantages(returns, baseline="group_mean", scale=scale)
     assert_close(loo, (4 / 3) * mean)  # G / (G - 1) = 4 / 3
+
+
+@pytest.mark.parametrize("baseline", ["none", "greedy"])
+@pytest.mark.parametrize("scale", ["group", "batch", "turn"])
+def test_uncentred_baselines_are_not_scaled(baseline, scale):
+    # All four samples right: R - b = 1 stays 1 while the spread is 0, so A would be 1 / eps = 1e4.
+    with pytest.raises(ValueError, match=f"scale='{scale}' with baseline='{baseline}' divides uncentred"):
+        group_advantages(
+            torch.ones(1, 4),
+            baseline,
+            scale,
+            greedy_returns=torch.zeros(1),
+            turns=torch.zeros(1, dtype=torch.long),
+        )
+
+
+@pytest.mark.parametrize(("G", "value"), [(6, 0.3), (7, 0.7), (3, 0.1)])
+@pytest.mark.parametrize("baseline", ["group_mean", "leave_one_out", "group_max"])
+def test_groups_of_equal_returns_get_exactly_zero(G, value, baseline):
+    # In float32 the mean of six 0.3s is not 0.3: R - mean is ~1e-8, and / (0 + 1e-4) would give ~3e-4.
+    returns = torch.full((1, G), value)
+    assert float((returns - returns.mean()).abs().max()) > 0 or G == 3  # the rounding the rule removes
+    for scale in ("group", "batch", "none"):
+        assert torch.equal(group_advantages(returns, baseline, scale), torch.zeros(1, G))
 
 
 def test_all_equal_group_gives_zero_advantages():

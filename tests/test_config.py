@@ -73,7 +73,8 @@ def test_learning_rate_alias():
     [("mean", "group_mean"), ("raw", "none"), ("max", "group_max"), ("rloo", "leave_one_out")],
 )
 def test_advantage_mode_alias(mode, baseline):
-    assert MAGRPOConfig(advantage_mode=mode).baseline == baseline
+    # raw returns are not scaled (see test_advantage_normalization_alias)
+    assert MAGRPOConfig(advantage_mode=mode, advantage_normalization=mode != "raw").baseline == baseline
 
 
 def test_advantage_mode_unknown():
@@ -83,7 +84,12 @@ def test_advantage_mode_unknown():
 
 def test_advantage_normalization_alias():
     assert MAGRPOConfig(advantage_normalization=False).scale == "none"
-    assert MAREINFORCEConfig(advantage_normalization=True).scale == "group"
+    assert MAGRPOConfig(advantage_normalization=True).scale == "group"
+    # Raw returns divided by their spread: 1e4 for a group that all scored 1. CoMLRL re-standardised (= MAGRPO).
+    with pytest.raises(ConfigError, match=r"scale='group' with baseline='none'.*gives baseline='group_mean'"):
+        MAREINFORCEConfig(advantage_normalization=True)
+    with pytest.raises(ConfigError, match=r"scale='batch' with baseline='greedy'"):
+        MAGRPOConfig(baseline="greedy", scale="batch")
 
 
 def test_reference_kl_aliases():
@@ -160,7 +166,7 @@ def test_micro_batch_size_must_divide_completions():
 
 
 def test_single_generation_allowed_without_group_statistics():
-    cfg = MAGRPOConfig(num_generations=1, baseline="none", scale="batch")
+    cfg = MAGRPOConfig(num_generations=1, baseline="none", scale="none")
     assert cfg.num_generations == 1
     assert MAREINFORCEConfig(num_generations=1).num_generations == 1
 

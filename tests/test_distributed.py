@@ -26,7 +26,8 @@ def two_word_reward(a, b):
 
 def run_args(**kw) -> dict:
     # top_k=1: sampling is the argmax, so data shards (which draw from streams of their own) see the same
-    # completions as one process; MAREINFORCE's raw-return advantages are non-zero without sampling noise.
+    # completions as one process; MAREINFORCE's raw-return advantages are non-zero without sampling noise (and
+    # those of a centred baseline are 0: every group's samples are equal).
     base = dict(
         prompts_per_step=2,
         num_generations=2,
@@ -248,8 +249,8 @@ def test_madpo_in_two_processes_exchanges_margins(qwen_bpe, llama_word, tmp_path
     ("trainer", "overrides"),
     [
         ("MAREINFORCE", {}),
-        # batch-wide statistics
-        ("MAREINFORCE", {"scale": "batch", "beta": 0.05, "num_iterations": 2, "loss_aggregation": "grpo"}),
+        # KL, PPO iterations (batch-wide advantage statistics: test_data_shards_scale_advantages_by_the_whole_batch)
+        ("MAREINFORCE", {"beta": 0.05, "num_iterations": 2, "loss_aggregation": "grpo"}),
         # each process keeps half of every weight (FSDP2): the KL reference copy too
         ("MAREINFORCE", {"beta": 0.05, "shard_weights": True}),
         # sharded base and adapters, gradients summed over micro-batches
@@ -387,7 +388,7 @@ def test_marlhf_processes_fit_the_reward_model_one_process_fits(
     ("trainer", "overrides"),
     [
         # each agent split between its two processes (FSDP2 over the agent's group)
-        ("MAREINFORCE", {"scale": "batch", "beta": 0.05, "num_iterations": 2, "shard_weights": True}),
+        ("MAREINFORCE", {"beta": 0.05, "num_iterations": 2, "shard_weights": True}),
         (
             "MAPPO",
             {"num_iterations": 2, "num_mini_batches": 2},
@@ -455,6 +456,37 @@ def test_data_parallel_run_resumes_exactly(qwen_bpe, llama_word, tmp_path, one_t
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
     assert_saved_agents_compute(out, single)
+
+
+def test_data_shards_scale_advantages_by_the_whole_batch(qwen_bpe):
+    """scale='batch' under data parallelism: each shard's advantages are its rows of the whole batch's. (The
+    launches sample greedily, so their groups' centred advantages are all 0: this checks the statistics here.)"""
+    trainer = MAREINFORCETrainer(
+        model=qwen_bpe,
+        num_agents=1,
+        train_dataset=DATA,
+        reward_func=lambda a: [0.0] * len(a),
+        args=MAREINFORCEConfig(**run_args(baseline="group_mean", scale="batch")),
+    )
+    returns, depth = (
+        torch.tensor([[0.0, 1.0, 1.0, 3.0], [2.0, 2.0, 2.0, 2.0]]),
+        torch.zeros(2, dtype=torch.long),
+    )
+    parts = [(returns[d : d + 1], None, depth[d : d + 1]) for d in (0, 1)]
+    whole = comarl.algorithms.group_advantages(returns, "group_mean", "batch").flatten()
+    for d in (0, 1):
+
+        def gather(obj, d=d):
+            assert obj[0].equal(parts[d][0])  # each shard sends its own returns
+            return parts
+
+        trainer.data = type("Shard", (), {"rank": d, "gather": staticmethod(gather)})()
+        advantages, zero = trainer._advantages(*parts[d])
+        assert torch.equal(advantages, whole[4 * d : 4 * d + 4]) and zero == 0.5  # the second group is flat
+    # the first shard's rows scaled by its own spread alone would differ
+    assert not torch.allclose(
+        whole[:4], comarl.algorithms.group_advantages(returns[:1], "group_mean", "batch")[0]
+    )
 
 
 def test_data_parallel_checks(qwen_bpe, monkeypatch):

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import torch
 
-from comarl.choices import AGGREGATIONS, BASELINES, PAIR_SELECTIONS, SCALES
+from comarl.choices import AGGREGATIONS, BASELINES, CENTRED_BASELINES, PAIR_SELECTIONS, SCALES
 
 
 def group_advantages(
@@ -42,9 +42,14 @@ def group_advantages(
     - ``none``   A
 
     The scale divides by the spread of the *returns*, not of ``A``, so the baselines stay
-    different under every scale: leave-one-out is ``G/(G-1)`` times the group-mean advantage,
-    and raw REINFORCE keeps its sign and offset. (Re-standardising ``A`` itself, as CoMLRL
-    does by default, would make all four estimators identical.)
+    different under every scale: leave-one-out is ``G/(G-1)`` times the group-mean advantage.
+    (Re-standardising ``A`` itself, as CoMLRL does by default, would make all four estimators
+    identical.) Only a centred baseline (``group_mean``, ``leave_one_out``, ``group_max``) may be
+    scaled: its ``A`` shrinks with the spread, while ``R - b`` of ``none`` or ``greedy`` does not, and
+    a group whose returns are all equal would get ``A = (R - b) / eps``, about 1e4 (ValueError).
+
+    A group whose returns are all equal teaches nothing: with a centred baseline its advantages are
+    exactly 0 (its mean can round to a neighbour of the returns, which eps would then magnify).
     """
     if returns.dim() != 2:
         raise ValueError(
@@ -68,6 +73,14 @@ def group_advantages(
     else:
         raise ValueError(f"group_advantages: unknown baseline {baseline!r}; choose one of {BASELINES}")
     advantages = returns - b
+    if baseline in CENTRED_BASELINES:
+        flat = returns.amax(dim=1, keepdim=True) == returns.amin(dim=1, keepdim=True)
+        advantages = advantages.masked_fill(flat, 0.0)
+    elif scale != "none" and scale in SCALES:
+        raise ValueError(
+            f"group_advantages: scale={scale!r} with baseline={baseline!r} divides uncentred advantages by the "
+            f"spread of the returns; scale only a centred baseline {CENTRED_BASELINES}, or use scale='none'"
+        )
     if scale == "group":
         if G < 2:
             raise ValueError("group_advantages: scale='group' needs num_generations >= 2")
@@ -330,9 +343,10 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
 
 
 def whiten(values: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
-    """``(x - mean x) / (std x + eps)`` over all elements (PPO's advantage normalisation)."""
-    if values.numel() < 2:
-        return values - values.mean()
+    """``(x - mean x) / (std x + eps)`` over all elements (PPO's advantage normalisation); all 0 when the values
+    are all equal (their mean can round to a neighbour of the values, and eps would magnify that to ~1)."""
+    if values.numel() < 2 or bool(values.amax() == values.amin()):
+        return torch.zeros_like(values)
     return (values - values.mean()) / (values.std() + eps)
 
 

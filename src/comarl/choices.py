@@ -2,5 +2,7 @@
 
 BASELINES = ("group_mean", "none", "leave_one_out", "group_max", "greedy")
 SCALES = ("group", "batch", "turn", "none")
+# Baselines whose advantages shrink with the spread of the returns: the only ones a scale may divide.
+CENTRED_BASELINES = ("group_mean", "leave_one_out", "group_max")
 AGGREGATIONS = ("grpo", "dr_grpo", "dapo")
 PAIR_SELECTIONS = ("reward_gap", "random", "all")

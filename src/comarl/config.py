@@ -12,7 +12,7 @@ from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from comarl.choices import AGGREGATIONS, BASELINES, PAIR_SELECTIONS, SCALES
+from comarl.choices import AGGREGATIONS, BASELINES, CENTRED_BASELINES, PAIR_SELECTIONS, SCALES
 
 
 class ConfigError(ValueError):
@@ -558,8 +558,16 @@ class MAGRPOConfig:
         for name, allowed in (("baseline", BASELINES), ("scale", SCALES)):
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: choose one of {list(allowed)}")
+        if self.scale != "none" and self.baseline not in CENTRED_BASELINES:
+            raise ConfigError(
+                f"scale={self.scale!r} with baseline={self.baseline!r}: the scale divides by the spread of the returns, "
+                "and a group whose returns are all equal (every sample right, say) would get its advantages divided "
+                f"by ~1e-4. Scale a centred baseline {list(CENTRED_BASELINES)}, or set scale='none'. (CoMLRL's "
+                "advantage_normalization=True re-standardised the advantage, which for every baseline gives "
+                "baseline='group_mean', scale='group': MAGRPO.)"
+            )
         G = self.num_generations
-        if G < 2 and (self.baseline in ("group_mean", "leave_one_out", "group_max") or self.scale == "group"):
+        if G < 2 and (self.baseline in CENTRED_BASELINES or self.scale == "group"):
             raise ConfigError(
                 f"num_generations={G}: baseline={self.baseline!r} with scale={self.scale!r} compares the samples of a "
                 "group and needs num_generations >= 2 (or use baseline='none', scale='none' / 'batch')"

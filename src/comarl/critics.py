@@ -36,7 +36,9 @@ class ValueHead(nn.Module):
         nn.init.zeros_(self.linear.bias)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.linear(hidden.float())
+        # fp32 also under bf16 autocast, which would run the Linear in bf16 (a step of 1/32 for values in [4, 8))
+        with torch.autocast(hidden.device.type, enabled=False):
+            return self.linear(hidden.float())
 
     def save(self, directory: str | Path) -> None:
         Path(directory).mkdir(parents=True, exist_ok=True)

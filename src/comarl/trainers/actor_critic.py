@@ -108,6 +108,8 @@ class ActorCriticTrainer(MAGRPOTrainer):
                 self._optimizer_group(self.data),
                 lr=a.critic_learning_rate,
                 betas=(a.adam_beta1, a.adam_beta2),
+                eps=a.adam_epsilon,
+                weight_decay=a.weight_decay,
             )
             if c is not None
             else None
@@ -264,7 +266,8 @@ class ActorCriticTrainer(MAGRPOTrainer):
                         scored = mask.float()
                         totals["loss"] += float(loss.detach())
                         totals["clip_fraction"] += float((clipped * scored).sum()) / max(tokens, 1)
-                        totals["approx_kl"] += float((kl_k3(logp.detach(), behaviour) * scored).sum()) / max(
+                        # KL(pi_old || pi) from the tokens pi_old sampled: k3 with the sampler's log-probs first
+                        totals["approx_kl"] += float((kl_k3(behaviour, logp.detach()) * scored).sum()) / max(
                             tokens, 1
                         )
                         totals["entropy"] += float((entropy.detach() * scored).sum()) / max(tokens, 1)

@@ -436,6 +436,8 @@ class MARLHFTrainer(MAGRPOTrainer):
             self._optimizer_group(self.processes),
             lr=a.reward_learning_rate,
             betas=(a.adam_beta1, a.adam_beta2),
+            eps=a.adam_epsilon,
+            weight_decay=a.weight_decay,
         )
         self.reward_model_fitted = not a.fit_reward_model
         self.env = RewardModelEnv(self.task_env, self.reward_model)
