@@ -14,7 +14,8 @@ from transformers import AutoModelForCausalLM
 
 import comarl
 from comarl import ConfigError, MAREINFORCEConfig, MAREINFORCETrainer
-from comarl.trainers.preference import reward_scores
+from comarl.distributed import DataParallel
+from comarl.trainers.preference import dataset_chunks, reward_scores
 
 DATA = [{"prompt": p} for p in ("def add(a, b):", "the agents meet at", "alice and bob", "return a + b")]
 
@@ -255,8 +256,9 @@ def test_madpo_in_two_processes_exchanges_margins(qwen_bpe, llama_word, tmp_path
         ("MAREINFORCE", {"beta": 0.05, "shard_weights": True}),
         # sharded base and adapters, gradients summed over micro-batches
         ("MAREINFORCE", {"lora_r": 4, "micro_batch_size": 1, "shard_weights": True}),
-        # whitening, value heads (whole copies) on sharded agents, mini-batches drawn from the whole batch
-        ("IPPO", {"num_iterations": 2, "num_mini_batches": 2, "shard_weights": True}),
+        # whitening, value heads (whole copies) on sharded agents, mini-batches drawn from the whole batch; one-row
+        # micro-batches, so a shard holding fewer rows of a mini-batch runs weightless ones (the layers' gathers)
+        ("IPPO", {"num_iterations": 2, "num_mini_batches": 2, "micro_batch_size": 1, "shard_weights": True}),
         ("MAPPO", {"num_iterations": 2, "num_mini_batches": 2}),  # a separate centralized critic
         # each process keeps half of every AdamW state: the agents' and the critic's
         ("MAPPO", {"num_iterations": 2, "num_mini_batches": 2, "shard_optimizer": True}),
@@ -502,6 +504,17 @@ def test_data_parallel_checks(qwen_bpe, monkeypatch):
         ConfigError, match=r"shard_weights=True shards each agent's own model; lora_shared_base=True"
     ):
         MAREINFORCEConfig(data_parallel=True, shard_weights=True, lora_r=4, lora_shared_base=True)
+    with pytest.raises(
+        ConfigError, match=r"shard_weights=True with num_turns=2: every generate call gathers"
+    ):
+        MAREINFORCEConfig(data_parallel=True, shard_weights=True, num_turns=2)
+    # Answering a whole training set of 9 items 2 per call: 3 calls on shard 0, 2 on shard 1 (both refuse).
+    for rank in (0, 1):
+        shard = DataParallel(None, rank, 2)
+        assert len(dataset_chunks(9, 4, shard)) == 3 - rank
+        with pytest.raises(ConfigError, match=r"the 9 training items give the data shards different numbers"):
+            dataset_chunks(9, 4, shard, sharded=True)
+        assert len(dataset_chunks(8, 4, shard, sharded=True)) == 2
     monkeypatch.delenv("RANK", raising=False)
     with pytest.raises(ConfigError, match="data_parallel=True needs its processes: launch with `torchrun"):
         MAREINFORCETrainer(

@@ -227,7 +227,10 @@ class ActorCriticTrainer(MAGRPOTrainer):
             totals = dict.fromkeys(("loss", "value_loss", "clip_fraction", "approx_kl", "entropy", "kl"), 0.0)
             for batch, rows in self._mini_batches(M, self.actor_shuffles[i]):
                 size, tokens = len(batch), int(row_tokens[batch].sum())
-                for mb in rows.split(micro) if len(rows) else ():  # a shard may hold none of a mini-batch
+                # A shard may hold none of a mini-batch; a sharded agent's shards still run as many passes each.
+                for part in self._padded(i, rows.split(micro) if len(rows) else ()):
+                    filler = part is None  # another shard's extra micro-batch: one row, weight 0
+                    mb = torch.zeros(1, dtype=torch.long) if part is None else part
                     mask = gen.completion_mask[mb]
                     with self._autocast(device):
                         logp, entropy, values = policy_forward(
@@ -250,7 +253,8 @@ class ActorCriticTrainer(MAGRPOTrainer):
                     if ref is not None:
                         kl = kl_k3(logp, ref[mb])
                         per_token = per_token + args.beta * kl
-                        totals["kl"] += float((kl.detach() * mask).sum()) / max(tokens, 1)
+                        if not filler:
+                            totals["kl"] += float((kl.detach() * mask).sum()) / max(tokens, 1)
                     loss = aggregate_loss(
                         per_token, mask, args.loss_aggregation, size, tokens, args.max_new_tokens
                     )
@@ -260,7 +264,11 @@ class ActorCriticTrainer(MAGRPOTrainer):
                             / size
                         )
                         loss = loss + args.value_coef * v_loss
-                        totals["value_loss"] += float(v_loss.detach())
+                        if not filler:
+                            totals["value_loss"] += float(v_loss.detach())
+                    if filler:
+                        (0.0 * loss).backward()
+                        continue
                     loss.backward()
                     with torch.no_grad():
                         scored = mask.float()
@@ -343,6 +351,7 @@ class ActorCriticTrainer(MAGRPOTrainer):
                     rollout.generations[i].prompt_ids[roots],
                     rollout.generations[i].prompt_mask[roots],
                     self.team[i].device,
+                    agent=i,
                 )[:, 0]
                 for i in self.local
             }
@@ -390,13 +399,20 @@ class ActorCriticTrainer(MAGRPOTrainer):
             return inputs, node_targets[:, agent : agent + 1], old[:, agent : agent + 1]
         return inputs, node_targets, old
 
-    def _batched(self, fn: Any, ids: torch.Tensor, mask: torch.Tensor, device: torch.device) -> torch.Tensor:
-        """``fn(ids, mask)`` over micro-batches (``micro_batch_rows``), on the CPU."""
+    def _batched(
+        self, fn: Any, ids: torch.Tensor, mask: torch.Tensor, device: torch.device, agent: int | None = None
+    ) -> torch.Tensor:
+        """``fn(ids, mask)`` over micro-batches (``micro_batch_rows``), on the CPU; ``agent``: the agent whose model
+        ``fn`` runs (a sharded one runs as many micro-batches as its other shards, see ``_padded``)."""
         step = self.args.micro_batch_rows(ids.shape[0], ids.shape[1])
+        batches = [slice(s, s + step) for s in range(0, ids.shape[0], step)]
         parts = []
-        for s in range(0, ids.shape[0], step):
+        for part in self._padded(agent, batches) if agent is not None else batches:
+            sl = slice(0, 1) if part is None else part  # None: another shard's extra micro-batch
             with self._autocast(device):
-                parts.append(fn(ids[s : s + step].to(device), mask[s : s + step].to(device)).float().cpu())
+                values = fn(ids[sl].to(device), mask[sl].to(device)).float().cpu()
+            if part is not None:
+                parts.append(values)
         return torch.cat(parts)
 
     # ------------------------------------------------------------------ helpers

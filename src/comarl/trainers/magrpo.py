@@ -535,7 +535,9 @@ class MAGRPOTrainer:
         ``num_tokens`` tokens in the whole batch are the loss's normalisers."""
         args, agent = self.agent_args[i], self.team[i]
         totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0}
-        for sl in batches:
+        for part in self._padded(i, batches):
+            filler = part is None
+            sl = slice(0, 1) if part is None else part
             mask = gen.completion_mask[sl]
             with self._autocast(agent.device):
                 logp = agent.completion_logprobs(
@@ -548,8 +550,12 @@ class MAGRPOTrainer:
             if ref is not None:
                 kl = kl_k3(logp, ref[sl])
                 per_token = per_token + args.beta * kl
-                totals["kl"] += float((kl.detach() * mask).sum()) / max(num_tokens, 1)
+                if not filler:
+                    totals["kl"] += float((kl.detach() * mask).sum()) / max(num_tokens, 1)
             loss = aggregate_loss(per_token, mask, args.loss_aggregation, M, num_tokens, args.max_new_tokens)
+            if filler:  # another shard's extra micro-batch: its collectives, no gradient
+                (0.0 * loss).backward()
+                continue
             loss.backward()
             totals["loss"] += float(loss.detach())
             totals["clip_fraction"] += float((clipped * mask).sum()) / max(num_tokens, 1)
@@ -730,19 +736,30 @@ class MAGRPOTrainer:
     def _logprobs(self, i: int, gen: Generation, batches: list[slice], model: Any = None) -> torch.Tensor:
         """Agent ``i``'s token log-probs of ``gen`` at its sampling temperature (``model``: e.g. its reference)."""
         agent, parts = self.team[i], []
-        for sl in batches:
+        for part in self._padded(i, batches):
+            sl = slice(0, 1) if part is None else part  # None: another shard's extra micro-batch
             with self._autocast(agent.device):
-                parts.append(
-                    agent.completion_logprobs(
-                        gen.prompt_ids[sl],
-                        gen.prompt_mask[sl],
-                        gen.completion_ids[sl],
-                        gen.completion_mask[sl],
-                        self.agent_args[i].temperature,
-                        model=model,
-                    )
+                logp = agent.completion_logprobs(
+                    gen.prompt_ids[sl],
+                    gen.prompt_mask[sl],
+                    gen.completion_ids[sl],
+                    gen.completion_mask[sl],
+                    self.agent_args[i].temperature,
+                    model=model,
                 )
+            if part is not None:
+                parts.append(logp)
         return torch.cat(parts)
+
+    def _padded(self, i: int, parts: Sequence[Any]) -> list[Any]:
+        """``parts``, agent ``i``'s micro-batches, with None appended until this process has as many as the data
+        shard that has the most, when agent ``i`` is sharded (``shard_weights``): every forward and backward
+        gathers its layers from all of its shards, so all must run the same number (their shares of a batch can
+        differ in rows and widths). The caller runs a None on one row of its batch with weight 0."""
+        if not (self.args.shard_weights and self.data is not None):
+            return list(parts)
+        most = max(self.data.gather(len(parts)))
+        return [*parts, *[None] * (most - len(parts))]
 
     def _autocast(self, device: torch.device) -> AbstractContextManager[Any]:
         """A training forward's precision on ``device``: the engine's rule, so that samples are scored as drawn."""

@@ -200,11 +200,13 @@ class MADPOTrainer(MAGRPOTrainer):
         weight = weight.to(agent.device)
         width = gen.prompt_ids.shape[1] + gen.completion_ids.shape[1]
         micro = args.micro_batch_rows(len(rows), width)
-        for s in range(0, len(rows), micro):
-            part = rows[s : s + micro]
+        parts = [(rows[s : s + micro], weight[s : s + micro]) for s in range(0, len(rows), micro)]
+        for part in self._padded(i, parts):
+            # None: another shard's extra micro-batch, run on the first candidate with weight 0
+            part_rows, part_weight = part if part is not None else (torch.zeros(1, dtype=torch.long), 0.0)
             with self._autocast(agent.device):
-                logp = self._row_logprobs(agent, gen, part)
-            (weight[s : s + micro] * logp).sum().backward()
+                logp = self._row_logprobs(agent, gen, part_rows)
+            (part_weight * logp).sum().backward()
         grad_norm = self._apply_gradients(i)
         return {"grad_norm": grad_norm, "lr": self.schedulers[i].get_last_lr()[0]}
 
@@ -217,7 +219,7 @@ class MADPOTrainer(MAGRPOTrainer):
         args, K, size = self.args, self.args.num_generations, len(self.train_dataset)
         cache: dict[int, dict[str, Any]] = {}
         seconds = 0.0
-        for chunk in dataset_chunks(size, args.prompts_per_step, self.data):
+        for chunk in dataset_chunks(size, args.prompts_per_step, self.data, args.shard_weights):
             rollout = self._collect([self.train_dataset[j] for j in chunk])
             seconds += rollout.generate_seconds
             team_rewards = rollout.rewards.mean(dim=-1)
@@ -291,9 +293,15 @@ class MADPOTrainer(MAGRPOTrainer):
         agent, width = self.team[i], gen.prompt_ids.shape[1] + gen.completion_ids.shape[1]
         micro = self.agent_args[i].micro_batch_rows(len(rows), width)
         parts = []
-        for s in range(0, len(rows), micro):
-            with self._autocast(agent.device):
-                parts.append(self._row_logprobs(agent, gen, rows[s : s + micro], model).float().cpu())
+        for part in self._padded(i, [rows[s : s + micro] for s in range(0, len(rows), micro)]):
+            with self._autocast(
+                agent.device
+            ):  # None: another shard's extra micro-batch, on the first candidate
+                logp = self._row_logprobs(
+                    agent, gen, part if part is not None else torch.zeros(1, dtype=torch.long), model
+                )
+            if part is not None:
+                parts.append(logp.float().cpu())
         return torch.cat(parts) if parts else torch.zeros(0)
 
     # ------------------------------------------------------------------ state, samples
@@ -328,13 +336,23 @@ class MADPOTrainer(MAGRPOTrainer):
         return samples
 
 
-def dataset_chunks(size: int, prompts_per_step: int, data: DataParallel | None) -> list[list[int]]:
+def dataset_chunks(
+    size: int, prompts_per_step: int, data: DataParallel | None, sharded: bool = False
+) -> list[list[int]]:
     """The dataset indices this process answers when a whole training set is sampled once, one list per batched
     call: all of them, ``prompts_per_step`` at a time; under data parallelism every world_size-th item, as many per
-    call as a shard takes in a training step."""
+    call as a shard takes in a training step. ``sharded``: the agents are split among the shards
+    (``shard_weights``), whose generate calls must then be as many on every shard."""
     indices, per_call = list(range(size)), prompts_per_step
     if data is not None:
         indices, per_call = data.stride(indices), per_call // data.world_size
+        first, last = (len(range(d, size, data.world_size)) for d in (0, data.world_size - 1))
+        if sharded and -(-first // per_call) != -(-last // per_call):  # the same on every shard, so all stop
+            raise ConfigError(
+                f"shard_weights=True: the {size} training items give the data shards different numbers of generate "
+                f"calls ({per_call} items each) when the team answers the whole set; use a training set of a "
+                f"multiple of prompts_per_step={prompts_per_step} items"
+            )
     return [indices[s : s + per_call] for s in range(0, len(indices), per_call)]
 
 
@@ -531,7 +549,9 @@ class MARLHFTrainer(MAGRPOTrainer):
         args, K = self.args, self.args.preference_num_candidates
         chosen: list[str] = []
         rejected: list[str] = []
-        for chunk in dataset_chunks(len(self.train_dataset), args.prompts_per_step, self.data):
+        for chunk in dataset_chunks(
+            len(self.train_dataset), args.prompts_per_step, self.data, args.shard_weights
+        ):
             items = [self.train_dataset[j] for j in chunk]
             rollout = collect(
                 self.task_env,
