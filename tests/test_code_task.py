@@ -232,15 +232,21 @@ def test_multi_turn_feedback_then_revision():
         assert f"Your partner's previous code (helper):\n```python\n{helper}\n```" in main_view
         assert "First failing check: assert candidate(3.5) == 0.5\n    AssertionError: got 3.5" in main_view
         assert main_view.endswith("Revise your main code to fix this. Reply with Python code only.\n")
-        second = first.episode.step([helper, "def truncate_number(number):\n    return aux(number)"])
-        assert second.done is True and second.info["success"] is True and second.episode.turn == 2
-        assert second.episode.history.responses[1] == [
-            wrong,
-            "def truncate_number(number):\n    return aux(number)",
-        ]
+        right = "def truncate_number(number):\n    return aux(number)"
+        second = environment.step([helper, right])  # stepping by hand moves the episode on
+        assert second.done is True and second.info["success"] is True and environment.turn == 2
+        assert environment.history.responses[1] == [wrong, right]
+        # Each turn's reward is the total's improvement: the undiscounted return is the last turn's total.
+        assert first.rewards[1] == pytest.approx(first.components["total"])
+        assert second.rewards[1] == pytest.approx(second.components["total"] - first.components["total"])
         # a solved first turn ends the episode at once; the last allowed turn ends it whatever happens
-        assert environment.step([helper, "def truncate_number(number):\n    return aux(number)"]).done is True
-        assert first.episode.step([helper, wrong]).done is True
+        environment.reset(TWO)
+        solved = environment.step([helper, right])
+        assert solved.done is True and solved.rewards[1] == pytest.approx(solved.components["total"]) == 1.0
+        environment.reset(TWO)
+        assert (
+            environment.step([helper, wrong]).done is False and environment.step([helper, wrong]).done is True
+        )
     finally:
         environment.close()
 

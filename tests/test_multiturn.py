@@ -10,7 +10,7 @@ import torch
 
 from comarl import ConfigError, FunctionEnv, MAGRPOConfig, MAGRPOTrainer, MAReMaxConfig, MAReMaxTrainer
 from comarl.engines import Generation, SamplingParams
-from comarl.envs import History, comlrl_transition
+from comarl.envs import Env, History, StepResult, comlrl_transition
 from comarl.rollout import collect, greedy_returns, tree_returns
 
 
@@ -137,6 +137,49 @@ def test_done_branches_get_no_children_and_the_transition_is_not_called_after_th
     assert rollout.terminal.tolist() == [[False, True], [True, True]]
 
 
+class InPlaceTarget(Env):
+    """reset changes a dict made in __init__ in place: the items' episodes must not share it."""
+
+    num_agents = 2
+
+    def __init__(self) -> None:
+        self.state: dict[str, str] = {}
+
+    def reset(self, item):
+        self.state["target"] = item["target"]
+        return [item["prompt"]] * 2
+
+    def step(self, joint_action):
+        return StepResult([float(joint_action[0] == "a0s0" + self.state["target"])] * 2, done=True)
+
+
+def test_each_item_keeps_its_own_state_when_reset_changes_it_in_place():
+    items = [{"prompt": "p0", "target": ""}, {"prompt": "p1", "target": "x"}]
+    rollout = collect(
+        InPlaceTarget(),
+        fake_agents(2),
+        items,
+        engine=CountingEngine(),
+        num_generations=2,
+        params=[SamplingParams()] * 2,
+    )
+    # item 0's target "" is hit by sample 0; item 1's "x" by none (a shared dict would give both "x": no hit)
+    assert rollout.rewards[:, :, 0].tolist() == [[1.0, 0.0], [0.0, 0.0]]
+
+
+def test_function_env_step_moves_the_episode_on():
+    env = env_with(always_continue, num_turns=2)
+    assert env.reset({"prompt": "p0"}) == ["p0", "p0"]
+    first = env.step(["x", "y"])
+    assert (first.done, first.observations, env.history.responses) == (
+        False,
+        ["turn2", "turn2"],
+        [["x"], ["y"]],
+    )
+    second = env.step(["x2", "y2"])
+    assert second.done and env.history.responses == [["x", "x2"], ["y", "y2"]]
+
+
 def test_tree_returns_by_hand():
     # Root (node 0) with K=2 joint actions, one agent. Joint action 0 -> child node 1, joint action 1 done.
     # Node 1 rewards [1, 3] (last turn). gamma = 0.5.
@@ -248,12 +291,16 @@ def test_comlrl_external_transition_plugs_in_unchanged():
         )
         return [f"fix: {c}" for c in agent_completions]
 
-    fmt = [lambda ex: f"[helper] {ex['prompt']}", lambda ex: f"[main] {ex['prompt']}"]
+    fmt = [
+        lambda ex: f"[helper] {ex['prompt']}",
+        lambda ex: f"[main of {ex.get('_original_prompt')}] {ex['prompt']}",
+    ]
     transition = comlrl_transition(external_transition, 2, fmt)
     out = transition(
         {"prompt": "task"}, ["x", "y"], History([["[helper] task"], ["[main] task"]], [["x"], ["y"]])
     )
-    assert out == ["[helper] fix: x", "[main] fix: y"]  # formatters re-applied, as CoMLRL does
+    # formatters re-applied, as CoMLRL does, with the item's own prompt as "_original_prompt"
+    assert out == ["[helper] fix: x", "[main of task] fix: y"]
     assert got == {
         "prompt": "task",
         "completions": ["x", "y"],

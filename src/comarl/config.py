@@ -145,7 +145,8 @@ class MAGRPOConfig:
     )
     early_termination_threshold: float | None = _help(
         "Stop expanding a node whose mean team reward exceeds this (CoMLRL's field; None = off, the default; "
-        "episodes end when the environment says done).",
+        "episodes end when the environment says done). Its episodes end there (no future reward): use it with "
+        "rewards paid once, at success (docs/multiturn.md).",
         default=None,
     )
     external_prompt_passthrough: bool = _help(

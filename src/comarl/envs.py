@@ -75,6 +75,12 @@ class Env:
     def close(self) -> None:
         """Release what the environment holds (worker pools, files); called when a run or evaluation ends."""
 
+    def fork(self) -> Env:
+        """A copy for a new episode or branch, whose changes never reach this one: a deep copy. Environments
+        whose ``reset`` and ``step`` replace their per-episode attributes (never change them in place) may return
+        a shallow copy instead, to share what must be shared (a worker pool, a reward model)."""
+        return copy.deepcopy(self)
+
     def step_many(
         self, episodes: Sequence[Env], joint_actions: Sequence[Sequence[Sequence[str]]]
     ) -> list[list[StepResult]]:
@@ -82,19 +88,28 @@ class Env:
 
         ``joint_actions[e][k]`` is the k-th joint action of episode ``e``. Returns results of the same
         shape, each with ``result.episode`` set to its branch's environment after the step. The
-        default deep-copies the episode for every joint action, so that siblings never see each
+        default forks the episode (``fork``) for every joint action, so that siblings never see each
         other's moves; override it to score a whole batch at once.
         """
         results = []
         for ep, actions in zip(episodes, joint_actions):
             row = []
             for action in actions:
-                branch = copy.deepcopy(ep)
+                branch = ep.fork()
                 result = branch.step(action)
                 result.episode = branch
                 row.append(result)
             results.append(row)
         return results
+
+
+def step_in_place(env: Env, joint_action: Sequence[str]) -> StepResult:
+    """``env.step`` for an environment that implements ``step_many``, which leaves its episodes as they were: one
+    branch, whose state ``env`` then takes on, so that stepping by hand moves the episode on."""
+    result = env.step_many([env], [[joint_action]])[0][0]
+    env.__dict__.update(vars(result.episode))
+    result.episode = env
+    return result
 
 
 # ----------------------------------------------------------------------------- reward functions
@@ -286,8 +301,12 @@ class FunctionEnv(Env):
         self.history = History.empty(self.num_agents)
         return list(self.prompts)
 
+    def fork(self) -> Env:
+        """A shallow copy: ``reset`` and ``step`` replace the per-episode attributes (the reward functions are shared)."""
+        return copy.copy(self)
+
     def step(self, joint_action: Sequence[str]) -> StepResult:
-        return self.step_many([self], [[joint_action]])[0][0]
+        return step_in_place(self, joint_action)
 
     def step_many(
         self, episodes: Sequence[Env], joint_actions: Sequence[Sequence[Sequence[str]]]
@@ -365,8 +384,9 @@ def comlrl_transition(
     """Adapt a CoMLRL ``external_transition(prompt=, agent_completions=, num_agents=, prompt_history_per_agent=,
     response_history_per_agent=)`` to a comarl transition.
 
-    As in CoMLRL, each returned prompt replaces ``item["prompt"]`` and goes through that agent's
-    formatter again, unless ``prompt_passthrough`` (CoMLRL: ``external_prompt_passthrough``).
+    As in CoMLRL, each returned prompt replaces ``item["prompt"]`` (the item's own prompt is then
+    ``item["_original_prompt"]``) and goes through that agent's formatter again, unless
+    ``prompt_passthrough`` (CoMLRL: ``external_prompt_passthrough``).
     """
     fmts = _formatters(formatters, num_agents)
 
@@ -382,7 +402,9 @@ def comlrl_transition(
             return prompts
         if isinstance(prompts, str) or len(prompts) != num_agents:
             return prompts  # FunctionEnv reports the wrong count with the function's name
-        return [fmts[i]({**item, "prompt": p}) for i, p in enumerate(prompts)]
+        # CoMLRL's formatters also see the item's own prompt as "_original_prompt"
+        original = item.get("prompt", "")
+        return [fmts[i]({**item, "prompt": p, "_original_prompt": original}) for i, p in enumerate(prompts)]
 
     transition.__name__ = getattr(external_transition, "__name__", "external_transition")
     return transition

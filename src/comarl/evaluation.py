@@ -17,7 +17,6 @@ A task is a module with ``load_items(split, source)``, an environment constructo
 
 from __future__ import annotations
 
-import copy
 import json
 import math
 from collections.abc import Callable, Mapping, Sequence
@@ -256,7 +255,7 @@ def play_pipeline(
     """
     episodes = []
     for item in items:
-        episode = copy.copy(env)
+        episode = env.fork()
         observations = episode.reset(item)
         episodes.append((episode, observations))
     first = engine.generate(agents[0], [obs[0] for _, obs in episodes], num_samples, params)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import copy
 import itertools
 import time
 from collections.abc import Sequence
@@ -146,7 +145,7 @@ def collect(
     N, G = len(agents), num_generations
     roots = []
     for b, item in enumerate(items):
-        episode = copy.copy(env)
+        episode = env.fork()  # each item's own state, even if reset changes attributes in place
         observations = episode.reset(item)
         if len(observations) != N:
             raise ValueError(

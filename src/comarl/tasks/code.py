@@ -34,7 +34,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from comarl.envs import Env, History, Item, StepResult
+from comarl.envs import Env, History, Item, StepResult, step_in_place
 from comarl.sandbox import RunResult, SandboxLimits, SandboxPool
 
 __all__ = [
@@ -666,6 +666,7 @@ class CodeEnv(Env):
         self.first_prompts: list[str] = []
         self.prompts: list[str] = []
         self.history = History.empty(num_agents)
+        self.total = 0.0
 
     @property
     def runs(self) -> int:
@@ -681,6 +682,10 @@ class CodeEnv(Env):
             return [helper_prompt(item, self.helper_name), main_prompt(item, self.helper_name)]
         return [single_prompt(item)]
 
+    def fork(self) -> Env:
+        """A shallow copy: ``reset`` and ``step`` replace the per-episode attributes (the sandbox pool is shared)."""
+        return copy.copy(self)
+
     def reset(self, item: Item) -> list[str]:
         missing = [k for k in ("prompt", "entry_point", "test") if k not in item]
         if missing:
@@ -692,10 +697,11 @@ class CodeEnv(Env):
         self.first_prompts = self.prompts_for(item)
         self.prompts = list(self.first_prompts)
         self.history = History.empty(self.num_agents)
+        self.total = 0.0  # the last turn's total: each turn is paid its improvement on it
         return list(self.prompts)
 
     def step(self, joint_action: Sequence[str]) -> StepResult:
-        return self.step_many([self], [[joint_action]])[0][0]
+        return step_in_place(self, joint_action)
 
     def step_many(
         self, episodes: Sequence[Env], joint_actions: Sequence[Sequence[Sequence[str]]]
@@ -750,8 +756,13 @@ class CodeEnv(Env):
             "reason": outcome.reason,
             "task_id": episode.item.get("task_id"),
         }
+        # The turn's reward is its total's improvement on the last turn's, so an episode's undiscounted return is
+        # its last total, and with discount < 1 passing at once is worth more than failing first and then fixing
+        # (paid each turn's total, a fix at turn 2 would collect total_1 + gamma * total_2 > one success).
         total = outcome.components["total"]
-        result = StepResult([total] * self.num_agents, True, None, info, outcome.components, branch)
+        branch.total = total
+        reward = total - episode.total
+        result = StepResult([reward] * self.num_agents, True, None, info, outcome.components, branch)
         if not outcome.success and branch.turn < self.num_turns:
             branch.prompts = [
                 revision_prompt(first, outcome.codes, outcome.feedback, own)

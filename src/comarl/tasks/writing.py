@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from comarl.envs import Env, StepResult
+from comarl.envs import Env, StepResult, step_in_place
 
 PART_MARKER = "---"
 DEFAULT_WEIGHTS = {"structure": 0.3, "coordination": 0.3, "diversity": 0.2, "non_redundancy": 0.2}
@@ -249,6 +249,10 @@ class WritingEnv(Env):
         self.weights = weights
         self.item: Mapping[str, Any] = {}
 
+    def fork(self) -> Env:
+        """A shallow copy: ``reset`` and ``step`` replace the per-episode attributes."""
+        return copy.copy(self)
+
     def reset(self, item: Mapping[str, Any]) -> list[str]:
         self.item = item
         if self.num_agents == 1:
@@ -256,7 +260,7 @@ class WritingEnv(Env):
         return [agent_prompt(item, 0, self.style.name), agent_prompt(item, 1, self.style.name)]
 
     def step(self, joint_action: Sequence[str]) -> StepResult:
-        return self.step_many([self], [[joint_action]])[0][0]
+        return step_in_place(self, joint_action)
 
     def step_many(
         self, episodes: Sequence[Env], joint_actions: Sequence[Sequence[Sequence[str]]]

@@ -401,8 +401,12 @@ class RewardModelEnv(Env):
         self.episode: Env | None = None
         self.observations: list[Any] = []
 
+    def fork(self) -> Env:
+        """A shallow copy: ``reset`` and ``step`` replace the per-episode attributes (the reward model is shared)."""
+        return copy.copy(self)
+
     def reset(self, item: Any) -> list[Any]:
-        self.episode = copy.copy(self.task_env)
+        self.episode = self.task_env.fork()
         self.observations = list(self.episode.reset(item))
         return list(self.observations)
 
