@@ -15,6 +15,7 @@ from comarl.algorithms import (
     discounted_returns,
     group_advantages,
     kl_k3,
+    token_entropy,
     token_logprobs,
 )
 from comarl.rollout import joint_action_indices
@@ -464,3 +465,11 @@ def test_turn_scale_uses_the_spread_of_each_turn():
     assert_close(got, torch.tensor([[-1 / s0, 1 / s0], [-1 / s0, 1 / s0], [-1 / s1, 1 / s1]]))
     with pytest.raises(ValueError, match=r"scale='turn' needs turns of shape \[num_groups\]"):
         group_advantages(returns, "group_mean", "turn")
+
+
+def test_masked_positions_add_exactly_nothing():
+    # An overflowing loss after EOS (inf) must not become inf * 0 = NaN; a -inf logit adds 0 entropy.
+    loss = aggregate_loss(torch.tensor([[1.0, float("inf")]]), torch.tensor([[1, 0]]), "dapo", 1, 1, 2)
+    assert loss.item() == 1.0
+    with_masked = token_entropy(torch.tensor([[0.0, float("-inf"), 1.0]]))
+    assert torch.allclose(with_masked, token_entropy(torch.tensor([[0.0, 1.0]])))  # 0.5822 nats, not NaN

@@ -211,8 +211,9 @@ def aggregate_loss(
     - ``dr_grpo``  (1/(S * L_max)) sum_i sum_t l_it           constant normaliser (Dr. GRPO)
     - ``dapo``     (1/N_tok) sum_i sum_t l_it                 token mean over the batch (DAPO)
     """
+    # where, not a product: a position after EOS whose ratio or KL overflowed (inf) must add 0, not inf * 0 = NaN
+    masked = torch.where(mask.bool(), per_token_loss, 0.0)
     mask = mask.to(per_token_loss.dtype)
-    masked = per_token_loss * mask
     if aggregation == "grpo":
         lengths = mask.sum(dim=1).clamp(min=1)
         return (masked.sum(dim=1) / lengths).sum() / num_sequences
@@ -339,7 +340,9 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
     logits = logits.float()
     if temperature != 1.0:
         logits = logits / temperature
-    return torch.logsumexp(logits, dim=-1) - (torch.softmax(logits, dim=-1) * logits).sum(dim=-1)
+    probs = torch.softmax(logits, dim=-1)
+    # A masked-out token (logit -inf, probability 0) adds 0, not 0 * -inf = NaN.
+    return torch.logsumexp(logits, dim=-1) - torch.where(probs > 0, probs * logits, 0.0).sum(dim=-1)
 
 
 def whiten(values: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:
