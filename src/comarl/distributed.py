@@ -169,10 +169,8 @@ def sum_and_clip_gradients(
     all-reduce). Parameters sharded by ``DataParallel.shard_model`` arrive summed by their reduce-scatter; the
     norm then adds the squares of both kinds, ``sqrt(|g_whole|^2 + |g_sharded|^2)``, and every gradient is scaled
     by ``min(1, max_norm / (norm + 1e-6))`` (``clip_grad_norm_``'s rule, which cannot mix the two kinds)."""
-    from torch.distributed.tensor import DTensor
-
-    sharded = [p for p in params if isinstance(p, DTensor)]
-    whole = [p for p in params if not isinstance(p, DTensor)]
+    sharded = [p for p in params if _is_shard(p)]
+    whole = [p for p in params if not _is_shard(p)]
     if copies is not None and whole:
         copies.all_reduce_grads(whole)
     if not sharded:
@@ -188,6 +186,15 @@ def sum_and_clip_gradients(
         for g in grads + whole_grads:
             g.mul_(scale)
     return norm
+
+
+def _is_shard(tensor: torch.Tensor) -> bool:
+    """Whether ``tensor`` is a share of a sharded one (a DTensor); DTensor's module loads only in distributed runs."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return False
+    from torch.distributed.tensor import DTensor
+
+    return isinstance(tensor, DTensor)
 
 
 def launch(
@@ -279,13 +286,11 @@ def whole_state_dict(model: Any, keep: bool) -> dict[str, torch.Tensor] | None:
     empty dict elsewhere). Every process holding a share must call it: each tensor is gathered over the model's
     own group, one at a time, so a process that does not keep them never holds more than one. None for a model
     that is not sharded."""
-    from torch.distributed.tensor import DTensor
-
-    if not any(isinstance(p, DTensor) for p in model.parameters()):
+    if not any(_is_shard(p) for p in model.parameters()):
         return None
     weights = {}
     for name, value in model.state_dict().items():
-        whole = value.full_tensor() if isinstance(value, DTensor) else value
+        whole = value.full_tensor() if _is_shard(value) else value
         if keep:
             weights[name] = whole.cpu()
     return weights
