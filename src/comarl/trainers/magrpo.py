@@ -239,9 +239,8 @@ class MAGRPOTrainer:
                 for i in self.local:
                     self.data.shard_model(self.team[i].model)
                     reference = self.references[i] if self.references is not None else None
-                    if isinstance(
-                        reference, torch.nn.Module
-                    ):  # a frozen copy (LoRA's reference is the model)
+                    # a frozen copy is sharded too (LoRA's reference is the model itself)
+                    if isinstance(reference, torch.nn.Module):
                         self.data.shard_model(reference)
             self.optimizers = [self._optimizer(i) if i in self.local else None for i in range(n)]
             self.schedulers = [self._schedule(opt) if opt is not None else None for opt in self.optimizers]
@@ -643,13 +642,12 @@ class MAGRPOTrainer:
 
     def save_model(self, output_dir: str | Path) -> None:
         """Write ``output_dir/agent_{i}/`` per agent, each loadable with ``from_pretrained`` (each process its own;
-        under data parallelism, where every process holds the same weights, process 0)."""
+        under data parallelism, where every data shard holds the same agent, the first; a sharded agent is gathered
+        from all of them first)."""
         for i in self.local:
             agent = self.team[i]
-            first = (
-                self.data is None or self.data.rank == 0
-            )  # the data shards' copies are equal: the first saves
-            weights = whole_state_dict(agent.model, keep=first)  # sharded: every data shard sends its part
+            first = self.data is None or self.data.rank == 0
+            weights = whole_state_dict(agent.model, keep=first)  # None unless sharded
             if not first:
                 continue
             path = Path(output_dir) / f"agent_{i}"

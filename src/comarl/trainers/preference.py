@@ -294,12 +294,10 @@ class MADPOTrainer(MAGRPOTrainer):
         micro = self.agent_args[i].micro_batch_rows(len(rows), width)
         parts = []
         for part in self._padded(i, [rows[s : s + micro] for s in range(0, len(rows), micro)]):
-            with self._autocast(
-                agent.device
-            ):  # None: another shard's extra micro-batch, on the first candidate
-                logp = self._row_logprobs(
-                    agent, gen, part if part is not None else torch.zeros(1, dtype=torch.long), model
-                )
+            # None: another shard's extra micro-batch, run on the first candidate
+            scored = part if part is not None else torch.zeros(1, dtype=torch.long)
+            with self._autocast(agent.device):
+                logp = self._row_logprobs(agent, gen, scored, model)
             if part is not None:
                 parts.append(logp.float().cpu())
         return torch.cat(parts) if parts else torch.zeros(0)
