@@ -13,7 +13,7 @@ import comarl
 from comarl.trainers.preference import reward_scores
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_distributed import DATA, run_args, two_word_reward  # noqa: E402
+from test_distributed import DATA, run_args, second_turn_for_the_first, two_word_reward  # noqa: E402
 
 
 def main() -> None:
@@ -29,7 +29,12 @@ def main() -> None:
         **run_args(**launch, output_dir=spec["output_dir"], **spec["overrides"])
     )
     trainer = getattr(comarl, f"{name}Trainer")(
-        agents=spec["agents"], train_dataset=DATA, eval_dataset=DATA, reward_func=two_word_reward, args=args
+        agents=spec["agents"],
+        train_dataset=DATA,
+        eval_dataset=DATA,
+        reward_func=two_word_reward,
+        transition=second_turn_for_the_first if args.num_turns > 1 else None,
+        args=args,
     )
     fitted = {}
     if spec.get("fit_first"):  # MARLHF: stage 1 by hand, to hand its pairs to the test

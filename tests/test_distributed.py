@@ -25,6 +25,12 @@ def two_word_reward(a, b):
     return [len(x) / 10 - len(y) / 20 for x, y in zip(a, b)]
 
 
+def second_turn_for_the_first(item, completions, history):
+    """A transition: the first DATA item gets a second turn, the others end at turn 1. Under data parallelism
+    (2 shards, all 4 items in every step) one shard then plays turn 2 while the other has nothing left."""
+    return [f"again: {c}" for c in completions] if item["prompt"] == DATA[0]["prompt"] else None
+
+
 def run_args(**kw) -> dict:
     # top_k=1: sampling is the argmax, so data shards (which draw from streams of their own) see the same
     # completions as one process; MAREINFORCE's raw-return advantages are non-zero without sampling noise (and
@@ -61,6 +67,7 @@ def one_process_run(trainer: str, agents: list[str], **settings) -> tuple:
         train_dataset=DATA,
         eval_dataset=DATA,
         reward_func=two_word_reward,
+        transition=second_turn_for_the_first if settings.get("num_turns", 1) > 1 else None,
         args=getattr(comarl, f"{trainer}Config")(**run_args(**settings)),
     )
     return single, single.train()
@@ -256,6 +263,8 @@ def test_madpo_in_two_processes_exchanges_margins(qwen_bpe, llama_word, tmp_path
         ("MAREINFORCE", {"beta": 0.05, "shard_weights": True}),
         # sharded base and adapters, gradients summed over micro-batches
         ("MAREINFORCE", {"lora_r": 4, "micro_batch_size": 1, "shard_weights": True}),
+        # a second turn for one shard's item only: the other shard still takes part in turn 2's generate calls
+        ("MAREINFORCE", {"num_turns": 2, "discount": 0.5, "shard_weights": True}),
         # whitening, value heads (whole copies) on sharded agents, mini-batches drawn from the whole batch; one-row
         # micro-batches, so a shard holding fewer rows of a mini-batch runs weightless ones (the layers' gathers)
         ("IPPO", {"num_iterations": 2, "num_mini_batches": 2, "micro_batch_size": 1, "shard_weights": True}),
@@ -504,10 +513,6 @@ def test_data_parallel_checks(qwen_bpe, monkeypatch):
         ConfigError, match=r"shard_weights=True shards each agent's own model; lora_shared_base=True"
     ):
         MAREINFORCEConfig(data_parallel=True, shard_weights=True, lora_r=4, lora_shared_base=True)
-    with pytest.raises(
-        ConfigError, match=r"shard_weights=True with num_turns=2: every generate call gathers"
-    ):
-        MAREINFORCEConfig(data_parallel=True, shard_weights=True, num_turns=2)
     # Answering a whole training set of 9 items 2 per call: 3 calls on shard 0, 2 on shard 1 (both refuse).
     for rank in (0, 1):
         shard = DataParallel(None, rank, 2)

@@ -180,6 +180,44 @@ def test_function_env_step_moves_the_episode_on():
     assert second.done and env.history.responses == [["x", "x2"], ["y", "y2"]]
 
 
+def test_turn_metrics_pool_rollouts_whose_episodes_all_ended_at_turn_1():
+    """Data shards pool their rollouts' values: a shard whose episodes all ended at turn 1 still counts in
+    turn_1/reward (it was left out: the metric then averaged the other shard's turn-1 rewards only)."""
+    from comarl.trainers.magrpo import rollout_metrics
+
+    def reward(a, b, prompts):  # 1 for the item that goes on (at both turns), 0 for the other
+        return [0.0 if p == "p1" else 1.0 for p in prompts[0]]
+
+    def continues(item, completions, history):
+        return ["again", "again"] if item["prompt"] == "p0" else None
+
+    def play(item):
+        env = env_with(continues, reward=reward, num_turns=2)
+        return collect(
+            env,
+            fake_agents(2),
+            [item],
+            engine=CountingEngine(),
+            num_generations=2,
+            params=[SamplingParams()] * 2,
+            num_turns=2,
+        )
+
+    long, short = play({"prompt": "p0"}), play({"prompt": "p1"})
+    assert int(short.depth.max()) == 0 and int(long.depth.max()) == 1
+    parts = [rollout_values_of(long), rollout_values_of(short)]
+    shard = type("Shard", (), {"gather": staticmethod(lambda obj: parts)})()
+    metrics = rollout_metrics(long, shard)
+    assert metrics["turn_1/reward"] == 0.5  # 2 turn-1 joint actions rewarded 1, the short rollout's 2 rewarded 0
+    assert metrics["turn_2/reward"] == 1.0
+
+
+def rollout_values_of(rollout):
+    from comarl.trainers.magrpo import rollout_values
+
+    return rollout_values(rollout), rollout.depth
+
+
 def test_tree_returns_by_hand():
     # Root (node 0) with K=2 joint actions, one agent. Joint action 0 -> child node 1, joint action 1 done.
     # Node 1 rewards [1, 3] (last turn). gamma = 0.5.

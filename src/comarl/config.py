@@ -458,12 +458,6 @@ class MAGRPOConfig:
                 "shard_weights=True splits each agent among the copies that data_parallel=True makes; "
                 "set data_parallel=True (or shard_weights=False)"
             )
-        if self.shard_weights and self.num_turns > 1:
-            raise ConfigError(
-                f"shard_weights=True with num_turns={self.num_turns}: every generate call gathers each agent's layers "
-                "from all of its data shards, and shards whose episodes end at different turns would make different "
-                "numbers of calls; use num_turns=1 with shard_weights, or shard_optimizer=True"
-            )
         if self.shard_weights and (self.share_weights or self.lora_shared_base):
             shared = "share_weights" if self.share_weights else "lora_shared_base"
             raise ConfigError(

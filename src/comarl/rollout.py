@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import time
 from collections.abc import Sequence
@@ -16,7 +17,7 @@ from comarl.engines import Generation, HFEngine, SamplingParams, concat_generati
 from comarl.envs import Env, StepResult
 
 if TYPE_CHECKING:
-    from comarl.distributed import AgentParallel
+    from comarl.distributed import AgentParallel, Processes
 
 
 @dataclass
@@ -42,6 +43,7 @@ class Rollout:
     success: torch.Tensor | None
     components: dict[str, torch.Tensor] = field(default_factory=dict)
     generate_seconds: float = 0.0  # time spent in generate, all turns
+    num_turns: int = 1  # the turn limit it was played with
     # Each node's state before its agents acted: (the branch's environment, the observations).
     states: list[tuple[Env, list[Any]]] = field(default_factory=list, repr=False)
 
@@ -115,6 +117,30 @@ def generate_all(
     return [f.result() for f in futures]
 
 
+def keep_in_step(
+    shards: Processes | None,
+    pending: bool,
+    engine: HFEngine,
+    agents: Sequence[Agent],
+    placeholder: Sequence[Any],
+    params: Sequence[SamplingParams],
+    pool: Any = None,
+    parallel: AgentParallel | None = None,
+) -> bool:
+    """Whether another turn is played: this process has ``pending`` episodes, or (``shards``: the processes that hold
+    shares of the agents, ``shard_weights``) another shard has. Every generate call gathers the agents' layers from
+    all shards, so a shard with nothing left answers ``placeholder`` (one prompt per agent) greedily with one token,
+    and the turn goes on for the others."""
+    if shards is None:
+        return pending
+    if not any(shards.gather(pending)):
+        return False
+    if not pending:
+        quick = [dataclasses.replace(p, max_new_tokens=1, min_new_tokens=0, do_sample=False) for p in params]
+        generate_all(engine, agents, [[prompt] for prompt in placeholder], 1, quick, pool, parallel)
+    return True
+
+
 def collect(
     env: Env,
     agents: Sequence[Agent],
@@ -133,6 +159,7 @@ def collect(
     generator: torch.Generator | None = None,
     pool: Any = None,
     parallel: AgentParallel | None = None,
+    shards: Processes | None = None,
 ) -> Rollout:
     """Play every item as a tree of turns and credit each completion with its return.
 
@@ -161,8 +188,12 @@ def collect(
     generate_seconds = 0.0
     level = roots
     for depth in range(num_turns):
-        if not level:
+        if not keep_in_step(
+            shards, bool(level), engine, agents, roots[0].observations, params, pool, parallel
+        ):
             break
+        if not level:  # another data shard still plays this turn
+            continue
         started = time.perf_counter()
         gens = generate_all(
             engine, agents, [[n.observations[i] for n in level] for i in range(N)], G, params, pool, parallel
@@ -252,6 +283,7 @@ def collect(
         success=success,
         components=components,
         generate_seconds=generate_seconds,
+        num_turns=num_turns,
         states=[(n.episode, n.observations) for n in nodes],
     )
 
@@ -267,6 +299,7 @@ def greedy_returns(
     discount: float = 1.0,
     pool: Any = None,
     parallel: AgentParallel | None = None,
+    shards: Processes | None = None,
 ) -> tuple[torch.Tensor, float]:
     """The return of the team's greedy play from every node of ``rollout``: ``[num_nodes, N]`` (ReMax baseline).
 
@@ -283,7 +316,10 @@ def greedy_returns(
     totals = torch.zeros(len(rollout.states), N)
     active = [(n, ep, obs, int(rollout.depth[n])) for n, (ep, obs) in enumerate(rollout.states)]
     seconds, weight = 0.0, 1.0
-    while active:
+    placeholder = rollout.states[0][1] if rollout.states else None
+    while keep_in_step(shards, bool(active), engine, agents, placeholder, params, pool, parallel):
+        if not active:  # another data shard's greedy paths go on
+            continue
         started = time.perf_counter()
         gens = generate_all(
             engine, agents, [[obs[i] for _, _, obs, _ in active] for i in range(N)], 1, params, pool, parallel

@@ -399,6 +399,7 @@ class MAGRPOTrainer:
                 discount=args.discount,
                 pool=self.pool,
                 parallel=self.parallel,
+                shards=self._weight_shards(),
             )
             generate_seconds += seconds
             greedy = [baselines[:, i] for i in range(self.num_agents)]
@@ -605,6 +606,7 @@ class MAGRPOTrainer:
                 params=params,
                 **self._tree_settings(),
                 parallel=self.parallel,
+                shards=self._weight_shards(),
             )
             for key, values in rollout_values(rollout).items():
                 parts.setdefault(key, []).append(values)
@@ -705,7 +707,13 @@ class MAGRPOTrainer:
             generator=self.joint_generator,
             pool=self.pool,
             parallel=self.parallel,
+            shards=self._weight_shards(),
         )
+
+    def _weight_shards(self) -> DataParallel | None:
+        """The data shards among which every agent is split (``shard_weights``): they run every generate call and
+        every forward of the agents together. None otherwise."""
+        return self.data if self.args.shard_weights else None
 
     def _schedule(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
         """Warmup and decay over every optimizer step of the run (``num_iterations`` per training step)."""
@@ -754,9 +762,10 @@ class MAGRPOTrainer:
         shard that has the most, when agent ``i`` is sharded (``shard_weights``): every forward and backward
         gathers its layers from all of its shards, so all must run the same number (their shares of a batch can
         differ in rows and widths). The caller runs a None on one row of its batch with weight 0."""
-        if not (self.args.shard_weights and self.data is not None):
+        shards = self._weight_shards()
+        if shards is None:
             return list(parts)
-        most = max(self.data.gather(len(parts)))
+        most = max(shards.gather(len(parts)))
         return [*parts, *[None] * (most - len(parts))]
 
     def _autocast(self, device: torch.device) -> AbstractContextManager[Any]:
@@ -863,6 +872,9 @@ def rollout_values(rollout: Rollout) -> dict[str, torch.Tensor]:
     - ``success``: success of every joint action that ended a branch (done, last turn, or not expanded);
     - ``reward/<name>``: each reward function's value on every joint action;
     - multi-turn: ``turn_t/reward`` immediate team reward at turn t, ``solved_turn`` the turn of each success.
+      Every turn up to the limit has its key, empty where no episode reached it: a rollout whose episodes all
+      ended at turn 1 still counts in ``turn_1/reward`` when its values are pooled with others' (another data
+      shard's, another evaluation batch's).
     """
     root = rollout.depth == 0
     team_returns = rollout.node_returns.mean(dim=-1)  # [nodes, K]
@@ -876,9 +888,9 @@ def rollout_values(rollout: Rollout) -> dict[str, torch.Tensor]:
     if N > 1:
         for i in range(N):
             values[f"agent_{i}/reward"] = rollout.node_returns[root][..., i].flatten()
-    if int(rollout.depth.max()) > 0:
+    if rollout.num_turns > 1:
         team_rewards = rollout.rewards.mean(dim=-1)
-        for t in range(int(rollout.depth.max()) + 1):
+        for t in range(rollout.num_turns):
             values[f"turn_{t + 1}/reward"] = team_rewards[rollout.depth == t].flatten()
         if rollout.success is not None:
             solved = rollout.terminal.bool() & rollout.success.bool()
