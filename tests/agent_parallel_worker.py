@@ -51,6 +51,12 @@ def main() -> None:
         # parameters of each agent this process holds, and of the whole agent (shard_weights: a share of it)
         "held": {i: sum(local(p).numel() for p in trainer.team[i].model.parameters()) for i in trainer.local},
         "parameters": {i: sum(p.numel() for p in trainer.team[i].model.parameters()) for i in trainer.local},
+        # of each agent's KL reference copy (shard_weights: a share of it, also after its forwards)
+        "reference_held": {
+            i: sum(local(p).numel() for p in r.parameters())
+            for i, r in enumerate(trainer.references or [])
+            if isinstance(r, torch.nn.Module)
+        },
         # the weights this process holds, to compare processes that should hold the same
         "weights": {
             i: sum(float(whole(p).double().sum()) for p in trainer.team[i].model.parameters())

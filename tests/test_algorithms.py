@@ -471,5 +471,16 @@ def test_masked_positions_add_exactly_nothing():
     # An overflowing loss after EOS (inf) must not become inf * 0 = NaN; a -inf logit adds 0 entropy.
     loss = aggregate_loss(torch.tensor([[1.0, float("inf")]]), torch.tensor([[1, 0]]), "dapo", 1, 1, 2)
     assert loss.item() == 1.0
-    with_masked = token_entropy(torch.tensor([[0.0, float("-inf"), 1.0]]))
+    logits = torch.tensor([[0.0, float("-inf"), 1.0]], requires_grad=True)
+    with_masked = token_entropy(logits)
     assert torch.allclose(with_masked, token_entropy(torch.tensor([[0.0, 1.0]])))  # 0.5822 nats, not NaN
+    with_masked.sum().backward()
+    assert torch.isfinite(logits.grad).all()
+    # ... nor NaN in the gradient: exp(ref - logp) = exp(115) overflows after EOS, where the mask removes it
+    # before the exponential (a product or where after it would give 0 x inf = NaN in the backward).
+    logp = torch.tensor([[-1.0, -120.0]], requires_grad=True)
+    mask = torch.tensor([[1, 0]])
+    per_token, _ = clipped_surrogate(logp, torch.tensor([[-1.0, 0.0]]), torch.tensor([1.0]), 0.2, mask=mask)
+    per_token = per_token + 0.05 * kl_k3(logp, torch.tensor([[-1.2, -5.0]]), mask)
+    aggregate_loss(per_token, mask, "dapo", 1, 1, 2).backward()
+    assert torch.isfinite(logp.grad).all() and logp.grad[0, 1] == 0.0

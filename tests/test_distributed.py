@@ -286,6 +286,10 @@ def test_two_data_shards_train_what_one_process_trains(
     for i in ("0", "1"):  # shard_weights: the processes hold disjoint parts of each agent, adding up to it
         held, whole = [r["held"][i] for r in ranks], ranks[0]["parameters"][i]
         assert sum(held) == whole if overrides.get("shard_weights") else held == [whole, whole]
+        if (
+            overrides.get("shard_weights") and ranks[0]["reference_held"]
+        ):  # its KL reference too, after training
+            assert sum(r["reference_held"][i] for r in ranks) == whole
     assert_metrics_equal(ranks, expected)
     assert_saved_agents_compute(out, single)
     checkpoint = out / "checkpoints" / "step_2"
@@ -498,6 +502,15 @@ def test_data_shards_scale_advantages_by_the_whole_batch(qwen_bpe):
     assert not torch.allclose(
         whole[:4], comarl.algorithms.group_advantages(returns[:1], "group_mean", "batch")[0]
     )
+
+
+def test_backend_counts_the_gpus_of_this_machine(monkeypatch):
+    """2 nodes x 8 GPUs: 16 processes, 8 on each node, each with a GPU: NCCL (gloo would put every FSDP2 shard on
+    cuda:0); more processes on a node than its GPUs: gloo."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert comarl.distributed._backend(8) == "nccl"
+    assert comarl.distributed._backend(9) == "gloo"
 
 
 def test_data_parallel_checks(qwen_bpe, monkeypatch):

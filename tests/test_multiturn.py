@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -167,6 +168,18 @@ def test_each_item_keeps_its_own_state_when_reset_changes_it_in_place():
     assert rollout.rewards[:, :, 0].tolist() == [[1.0, 0.0], [0.0, 0.0]]
 
 
+def test_an_env_that_cannot_be_deep_copied_is_told_to_override_fork():
+    class WithLock(InPlaceTarget):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lock = threading.Lock()
+
+    with pytest.raises(
+        TypeError, match=r"WithLock.fork: the environment cannot be deep-copied .* override fork\(\)"
+    ):
+        WithLock().fork()
+
+
 def test_function_env_step_moves_the_episode_on():
     env = env_with(always_continue, num_turns=2)
     assert env.reset({"prompt": "p0"}) == ["p0", "p0"]
@@ -208,7 +221,9 @@ def test_turn_metrics_pool_rollouts_whose_episodes_all_ended_at_turn_1():
     parts = [rollout_values_of(long), rollout_values_of(short)]
     shard = type("Shard", (), {"gather": staticmethod(lambda obj: parts)})()
     metrics = rollout_metrics(long, shard)
-    assert metrics["turn_1/reward"] == 0.5  # 2 turn-1 joint actions rewarded 1, the short rollout's 2 rewarded 0
+    assert (
+        metrics["turn_1/reward"] == 0.5
+    )  # 2 turn-1 joint actions rewarded 1, the short rollout's 2 rewarded 0
     assert metrics["turn_2/reward"] == 1.0
 
 

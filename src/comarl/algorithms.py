@@ -154,15 +154,21 @@ def completion_mask(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> t
     return (eos_before == 0).to(torch.long)
 
 
-def kl_k3(logprobs: torch.Tensor, ref_logprobs: torch.Tensor) -> torch.Tensor:
+def kl_k3(
+    logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Per-token k3 estimate of KL(pi || pi_ref) from samples of pi (Schulman, 2020).
 
         k3 = exp(ref - logp) - (ref - logp) - 1      (>= 0, unbiased)
 
     ``ref_logprobs`` come from the frozen reference under ``no_grad``; the gradient flows through
-    ``logprobs`` only.
+    ``logprobs`` only. Where ``mask`` is 0 (after EOS) k3 is 0 with no gradient: ``ref - logp`` is set
+    to 0 before the exponential, which could overflow there (a loss that masks it afterwards still
+    gets 0 x inf = NaN in its backward).
     """
     delta = ref_logprobs - logprobs
+    if mask is not None:
+        delta = torch.where(mask.bool(), delta, 0.0)
     return torch.exp(delta) - delta - 1
 
 
@@ -172,6 +178,7 @@ def clipped_surrogate(
     advantages: torch.Tensor,
     epsilon: float,
     epsilon_high: float | None = None,
+    mask: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-token PPO loss and a clipped-token indicator.
 
@@ -180,13 +187,17 @@ def clipped_surrogate(
 
     ``advantages`` is per sequence ``[B]`` (broadcast over tokens) or per token ``[B, T]``.
     With ``old_logprobs = logprobs.detach()`` (a batch used once) the ratio is 1 and the gradient is
-    the plain REINFORCE gradient ``-A * grad logp``.
+    the plain REINFORCE gradient ``-A * grad logp``. Where ``mask`` is 0 (after EOS) the ratio is 1
+    with no gradient (as in :func:`kl_k3`, no overflowing exponential there).
     """
     if epsilon_high is None:
         epsilon_high = epsilon
     if advantages.dim() == 1:
         advantages = advantages.unsqueeze(1)
-    ratio = torch.exp(logprobs - old_logprobs)
+    log_ratio = logprobs - old_logprobs
+    if mask is not None:
+        log_ratio = torch.where(mask.bool(), log_ratio, 0.0)
+    ratio = torch.exp(log_ratio)
     unclipped = ratio * advantages
     clipped = torch.clamp(ratio, 1 - epsilon, 1 + epsilon_high) * advantages
     loss = -torch.min(unclipped, clipped)
@@ -341,8 +352,8 @@ def token_entropy(logits: torch.Tensor, temperature: float = 1.0) -> torch.Tenso
     if temperature != 1.0:
         logits = logits / temperature
     probs = torch.softmax(logits, dim=-1)
-    # A masked-out token (logit -inf, probability 0) adds 0, not 0 * -inf = NaN.
-    return torch.logsumexp(logits, dim=-1) - torch.where(probs > 0, probs * logits, 0.0).sum(dim=-1)
+    # A masked-out token (logit -inf, probability 0) adds 0, not 0 * -inf = NaN, in the value and the gradient.
+    return torch.logsumexp(logits, dim=-1) - (probs * torch.where(probs > 0, logits, 0.0)).sum(dim=-1)
 
 
 def whiten(values: torch.Tensor, eps: float = 1e-8) -> torch.Tensor:

@@ -134,13 +134,15 @@ class DataParallel(Processes):
         size = len(items) // self.world_size
         return list(items[self.rank * size : (self.rank + 1) * size])
 
-    def shard_model(self, model: Any) -> Any:
+    def shard_model(self, model: Any, frozen: bool = False) -> Any:
         """``model`` split among these processes (``shard_weights``, FSDP2's ``fully_shard``): each keeps 1/D of
         every weight, and of its gradient and AdamW state. Every decoder layer (the classes the model names in
         ``_no_split_modules``) is one unit, gathered for its forward and backward, then the rest of the model.
         Gradients reach each shard summed over the processes, not averaged: the trainers' losses are already
-        normalised over the whole batch, as the flat all-reduce of unsharded copies assumes.
-        Returns ``model`` itself (fully_shard changes it in place)."""
+        normalised over the whole batch, as the flat all-reduce of unsharded copies assumes. ``frozen``: a model
+        that never runs a backward (a KL reference), whose root is also freed after each forward (FSDP2 frees the
+        root's gathered weights after the backward, otherwise never). Returns ``model`` itself (fully_shard changes
+        it in place)."""
         from torch.distributed.device_mesh import DeviceMesh
         from torch.distributed.fsdp import FSDPModule, fully_shard
 
@@ -152,7 +154,8 @@ class DataParallel(Processes):
         for module in model.modules():
             if type(module).__name__ in layers:
                 fully_shard(module, mesh=mesh, reshard_after_forward=True)
-        fully_shard(model, mesh=mesh, reshard_after_forward=False)  # FSDP2's rule for the root
+        # FSDP2's rule for the root: kept whole from the forward to the backward, which frees it
+        fully_shard(model, mesh=mesh, reshard_after_forward=frozen)
         for module in model.modules():
             if isinstance(module, FSDPModule):
                 # A sum: no division by D, and gloo has no pre-multiplied sum (the only kind NCCL needs no copy for).
@@ -248,7 +251,7 @@ def _process_group(launch_hint: str) -> Any:
     if not dist.is_initialized():
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise ConfigError(f"{launch_hint} (or initialise torch.distributed yourself)")
-        backend = _backend(int(os.environ["WORLD_SIZE"]))
+        backend = _backend(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
         if backend == "nccl":  # NCCL's object gathers stage through the current device: one GPU per rank
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
         dist.init_process_group(backend=backend)
@@ -257,10 +260,11 @@ def _process_group(launch_hint: str) -> Any:
     return dist
 
 
-def _backend(world_size: int) -> str:
-    """NCCL when every process has a GPU of its own; else gloo (CPU, or processes sharing a GPU — only
-    token ids and texts cross processes, through the CPU either way)."""
-    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= world_size else "gloo"
+def _backend(processes_here: int) -> str:
+    """NCCL when each of the ``processes_here`` processes on this machine (torchrun's LOCAL_WORLD_SIZE; on several
+    nodes the world is larger) has a GPU of its own; else gloo (CPU, or processes sharing a GPU — only token ids
+    and texts cross processes, through the CPU either way)."""
+    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= processes_here else "gloo"
 
 
 def save_own_model(model: Any, path: Any, state_dict: dict[str, torch.Tensor] | None = None) -> None:
@@ -284,12 +288,18 @@ def save_own_model(model: Any, path: Any, state_dict: dict[str, torch.Tensor] | 
 def whole_state_dict(model: Any, keep: bool) -> dict[str, torch.Tensor] | None:
     """The whole weights of a model sharded by :meth:`DataParallel.shard_model`, on the CPU, where ``keep`` (an
     empty dict elsewhere). Every process holding a share must call it: each tensor is gathered over the model's
-    own group, one at a time, so a process that does not keep them never holds more than one. None for a model
+    own group, one at a time, so a process that does not keep them never holds more than one. Of a model with LoRA
+    adapters only the trainable tensors (what ``save_pretrained`` writes of it), not the base. None for a model
     that is not sharded."""
     if not any(_is_shard(p) for p in model.parameters()):
         return None
+    adapters = (
+        {n for n, p in model.named_parameters() if p.requires_grad} if hasattr(model, "peft_config") else None
+    )
     weights = {}
     for name, value in model.state_dict().items():
+        if adapters is not None and name not in adapters:
+            continue
         whole = value.full_tensor() if _is_shard(value) else value
         if keep:
             weights[name] = whole.cpu()

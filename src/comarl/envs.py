@@ -79,7 +79,14 @@ class Env:
         """A copy for a new episode or branch, whose changes never reach this one: a deep copy. Environments
         whose ``reset`` and ``step`` replace their per-episode attributes (never change them in place) may return
         a shallow copy instead, to share what must be shared (a worker pool, a reward model)."""
-        return copy.deepcopy(self)
+        try:
+            return copy.deepcopy(self)
+        except (TypeError, copy.Error) as error:
+            raise TypeError(
+                f"{type(self).__name__}.fork: the environment cannot be deep-copied ({error}); override fork() to "
+                "return a copy that shares what cannot be copied (e.g. copy.copy(self) when reset and step replace "
+                "the per-episode attributes)"
+            ) from error
 
     def step_many(
         self, episodes: Sequence[Env], joint_actions: Sequence[Sequence[Sequence[str]]]

@@ -246,12 +246,12 @@ class ActorCriticTrainer(MAGRPOTrainer):
                         )
                     behaviour = logp.detach() if old_logp is None else old_logp[mb]
                     per_token, clipped = clipped_surrogate(
-                        logp, behaviour, advantages[mb], args.epsilon, args.epsilon_high
+                        logp, behaviour, advantages[mb], args.epsilon, args.epsilon_high, mask
                     )
                     if args.entropy_coef > 0:
                         per_token = per_token - args.entropy_coef * entropy
                     if ref is not None:
-                        kl = kl_k3(logp, ref[mb])
+                        kl = kl_k3(logp, ref[mb], mask)
                         per_token = per_token + args.beta * kl
                         if not filler:
                             totals["kl"] += float((kl.detach() * mask).sum()) / max(tokens, 1)
@@ -275,9 +275,9 @@ class ActorCriticTrainer(MAGRPOTrainer):
                         totals["loss"] += float(loss.detach())
                         totals["clip_fraction"] += float((clipped * scored).sum()) / max(tokens, 1)
                         # KL(pi_old || pi) from the tokens pi_old sampled: k3 with the sampler's log-probs first
-                        totals["approx_kl"] += float((kl_k3(behaviour, logp.detach()) * scored).sum()) / max(
-                            tokens, 1
-                        )
+                        totals["approx_kl"] += float(
+                            (kl_k3(behaviour, logp.detach(), mask) * scored).sum()
+                        ) / max(tokens, 1)
                         totals["entropy"] += float((entropy.detach() * scored).sum()) / max(tokens, 1)
                 grad_norm = self._step(optimizer, agent.model.parameters(), head)
                 self.schedulers[i].step()

@@ -241,7 +241,7 @@ class MAGRPOTrainer:
                     reference = self.references[i] if self.references is not None else None
                     # a frozen copy is sharded too (LoRA's reference is the model itself)
                     if isinstance(reference, torch.nn.Module):
-                        self.data.shard_model(reference)
+                        self.data.shard_model(reference, frozen=True)
             self.optimizers = [self._optimizer(i) if i in self.local else None for i in range(n)]
             self.schedulers = [self._schedule(opt) if opt is not None else None for opt in self.optimizers]
         self.joint_generator = torch.Generator().manual_seed(args.seed + 1)
@@ -545,10 +545,10 @@ class MAGRPOTrainer:
                 )
             behaviour = logp.detach() if old is None else old[sl]
             per_token, clipped = clipped_surrogate(
-                logp, behaviour, advantages[sl], args.epsilon, args.epsilon_high
+                logp, behaviour, advantages[sl], args.epsilon, args.epsilon_high, mask
             )
             if ref is not None:
-                kl = kl_k3(logp, ref[sl])
+                kl = kl_k3(logp, ref[sl], mask)
                 per_token = per_token + args.beta * kl
                 if not filler:
                     totals["kl"] += float((kl.detach() * mask).sum()) / max(num_tokens, 1)

@@ -67,6 +67,8 @@ class MADPOTrainer(MAGRPOTrainer):
         # and the dataset indices of the current step (set by _batches) to look them up.
         self.candidates: list[dict[str, Any]] | None = None
         self._step_indices: list[int] = []
+        if a.candidates_from == "initial":  # a size that shard_weights cannot split stops here, not at step 1
+            dataset_chunks(len(self.train_dataset), a.prompts_per_step, self.data, a.shard_weights)
 
     def _keeps_reference(self) -> bool:
         # The reference is the initial policy. Candidates from the initial team carry its log-probs from the
@@ -460,6 +462,8 @@ class MARLHFTrainer(MAGRPOTrainer):
             weight_decay=a.weight_decay,
         )
         self.reward_model_fitted = not a.fit_reward_model
+        if a.fit_reward_model:  # a size that shard_weights cannot split stops here, not at the fit
+            dataset_chunks(len(self.train_dataset), a.prompts_per_step, self.data, a.shard_weights)
         self.env = RewardModelEnv(self.task_env, self.reward_model)
         # Data shards select pairs among their own items; the order of the pairs is the same on every process.
         shard = self.data.rank if self.data is not None else 0
