@@ -228,9 +228,8 @@ class ActorCriticTrainer(MAGRPOTrainer):
             for batch, rows in self._mini_batches(M, self.actor_shuffles[i]):
                 size, tokens = len(batch), int(row_tokens[batch].sum())
                 # A shard may hold none of a mini-batch; a sharded agent's shards still run as many passes each.
-                for part in self._padded(i, rows.split(micro) if len(rows) else ()):
-                    filler = part is None  # another shard's extra micro-batch: one row, weight 0
-                    mb = torch.zeros(1, dtype=torch.long) if part is None else part
+                first_row = torch.zeros(1, dtype=torch.long)
+                for mb, real in self._padded(i, rows.split(micro) if len(rows) else (), filler=first_row):
                     mask = gen.completion_mask[mb]
                     with self._autocast(device):
                         logp, entropy, values = policy_forward(
@@ -253,7 +252,7 @@ class ActorCriticTrainer(MAGRPOTrainer):
                     if ref is not None:
                         kl = kl_k3(logp, ref[mb], mask)
                         per_token = per_token + args.beta * kl
-                        if not filler:
+                        if real:
                             totals["kl"] += float((kl.detach() * mask).sum()) / max(tokens, 1)
                     loss = aggregate_loss(
                         per_token, mask, args.loss_aggregation, size, tokens, args.max_new_tokens
@@ -264,9 +263,9 @@ class ActorCriticTrainer(MAGRPOTrainer):
                             / size
                         )
                         loss = loss + args.value_coef * v_loss
-                        if not filler:
+                        if real:
                             totals["value_loss"] += float(v_loss.detach())
-                    if filler:
+                    if not real:  # another shard's extra micro-batch: its collectives, no gradient
                         (0.0 * loss).backward()
                         continue
                     loss.backward()
@@ -407,11 +406,10 @@ class ActorCriticTrainer(MAGRPOTrainer):
         step = self.args.micro_batch_rows(ids.shape[0], ids.shape[1])
         batches = [slice(s, s + step) for s in range(0, ids.shape[0], step)]
         parts = []
-        for part in self._padded(agent, batches) if agent is not None else batches:
-            sl = slice(0, 1) if part is None else part  # None: another shard's extra micro-batch
+        for sl, real in self._padded(agent, batches, filler=slice(0, 1)):
             with self._autocast(device):
                 values = fn(ids[sl].to(device), mask[sl].to(device)).float().cpu()
-            if part is not None:
+            if real:
                 parts.append(values)
         return torch.cat(parts)
 

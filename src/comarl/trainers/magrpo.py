@@ -535,9 +535,7 @@ class MAGRPOTrainer:
         ``num_tokens`` tokens in the whole batch are the loss's normalisers."""
         args, agent = self.agent_args[i], self.team[i]
         totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0}
-        for part in self._padded(i, batches):
-            filler = part is None
-            sl = slice(0, 1) if part is None else part
+        for sl, real in self._padded(i, batches, filler=slice(0, 1)):
             mask = gen.completion_mask[sl]
             with self._autocast(agent.device):
                 logp = agent.completion_logprobs(
@@ -550,10 +548,10 @@ class MAGRPOTrainer:
             if ref is not None:
                 kl = kl_k3(logp, ref[sl], mask)
                 per_token = per_token + args.beta * kl
-                if not filler:
+                if real:
                     totals["kl"] += float((kl.detach() * mask).sum()) / max(num_tokens, 1)
             loss = aggregate_loss(per_token, mask, args.loss_aggregation, M, num_tokens, args.max_new_tokens)
-            if filler:  # another shard's extra micro-batch: its collectives, no gradient
+            if not real:  # another shard's extra micro-batch: its collectives, no gradient
                 (0.0 * loss).backward()
                 continue
             loss.backward()
@@ -742,8 +740,7 @@ class MAGRPOTrainer:
     def _logprobs(self, i: int, gen: Generation, batches: list[slice], model: Any = None) -> torch.Tensor:
         """Agent ``i``'s token log-probs of ``gen`` at its sampling temperature (``model``: e.g. its reference)."""
         agent, parts = self.team[i], []
-        for part in self._padded(i, batches):
-            sl = slice(0, 1) if part is None else part  # None: another shard's extra micro-batch
+        for sl, real in self._padded(i, batches, filler=slice(0, 1)):
             with self._autocast(agent.device):
                 logp = agent.completion_logprobs(
                     gen.prompt_ids[sl],
@@ -753,20 +750,22 @@ class MAGRPOTrainer:
                     self.agent_args[i].temperature,
                     model=model,
                 )
-            if part is not None:
+            if real:
                 parts.append(logp)
         return torch.cat(parts)
 
-    def _padded(self, i: int, parts: Sequence[Any]) -> list[Any]:
-        """``parts``, agent ``i``'s micro-batches, with None appended until this process has as many as the data
-        shard that has the most, when agent ``i`` is sharded (``shard_weights``): every forward and backward
-        gathers its layers from all of its shards, so all must run the same number (their shares of a batch can
-        differ in rows and widths). The caller runs a None on one row of its batch with weight 0."""
-        shards = self._weight_shards()
+    def _padded(self, i: int | None, parts: Sequence[Any], filler: Any) -> list[tuple[Any, bool]]:
+        """``(part, True)`` for each of ``parts``, agent ``i``'s micro-batches, then ``(filler, False)`` until this
+        process has as many as the data shard that has the most, when agent ``i`` is sharded (``shard_weights``):
+        every forward and backward gathers its layers from all of its shards, so all must run the same number
+        (their shares of a batch can differ in rows and widths). ``filler`` picks one row of the caller's batch,
+        which the caller runs with weight 0, keeping nothing of it. ``i=None``: a model that is never sharded."""
+        real = [(part, True) for part in parts]
+        shards = self._weight_shards() if i is not None else None
         if shards is None:
-            return list(parts)
-        most = max(shards.gather(len(parts)))
-        return [*parts, *[None] * (most - len(parts))]
+            return real
+        most = max(shards.gather(len(real)))
+        return real + [(filler, False)] * (most - len(real))
 
     def _autocast(self, device: torch.device) -> AbstractContextManager[Any]:
         """A training forward's precision on ``device``: the engine's rule, so that samples are scored as drawn."""

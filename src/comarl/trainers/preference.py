@@ -203,9 +203,9 @@ class MADPOTrainer(MAGRPOTrainer):
         width = gen.prompt_ids.shape[1] + gen.completion_ids.shape[1]
         micro = args.micro_batch_rows(len(rows), width)
         parts = [(rows[s : s + micro], weight[s : s + micro]) for s in range(0, len(rows), micro)]
-        for part in self._padded(i, parts):
-            # None: another shard's extra micro-batch, run on the first candidate with weight 0
-            part_rows, part_weight = part if part is not None else (torch.zeros(1, dtype=torch.long), 0.0)
+        # another shard's extra micro-batch: the first candidate, with weight 0
+        first = (torch.zeros(1, dtype=torch.long), 0.0)
+        for (part_rows, part_weight), _ in self._padded(i, parts, filler=first):
             with self._autocast(agent.device):
                 logp = self._row_logprobs(agent, gen, part_rows)
             (part_weight * logp).sum().backward()
@@ -295,12 +295,11 @@ class MADPOTrainer(MAGRPOTrainer):
         agent, width = self.team[i], gen.prompt_ids.shape[1] + gen.completion_ids.shape[1]
         micro = self.agent_args[i].micro_batch_rows(len(rows), width)
         parts = []
-        for part in self._padded(i, [rows[s : s + micro] for s in range(0, len(rows), micro)]):
-            # None: another shard's extra micro-batch, run on the first candidate
-            scored = part if part is not None else torch.zeros(1, dtype=torch.long)
+        batches = [rows[s : s + micro] for s in range(0, len(rows), micro)]
+        for scored, real in self._padded(i, batches, filler=torch.zeros(1, dtype=torch.long)):
             with self._autocast(agent.device):
                 logp = self._row_logprobs(agent, gen, scored, model)
-            if part is not None:
+            if real:
                 parts.append(logp.float().cpu())
         return torch.cat(parts) if parts else torch.zeros(0)
 
