@@ -15,6 +15,7 @@ from comarl.algorithms import (
     discounted_returns,
     group_advantages,
     kl_k3,
+    sequence_kl_k1,
     token_entropy,
     token_logprobs,
 )
@@ -259,6 +260,39 @@ def test_kl_k3_hand_values():
     got = kl_k3(logp, ref)
     assert_close(got, torch.tensor([math.exp(math.log(0.5)) - math.log(0.5) - 1, 2 - math.log(2) - 1]))
     assert_close(got, torch.tensor([0.193147, 0.306853]), rtol=0, atol=1e-6)
+
+
+def test_sequence_kl_k1_hand_values():
+    """k1 summed over each completion's scored tokens: log pi(y) - log pi_ref(y); may be negative per sample."""
+    logp = torch.tensor([[-1.0, -2.0, -3.0], [-0.5, -0.5, -0.5]])
+    ref = torch.tensor([[-1.5, -1.0, -9.0], [-1.0, -2.0, -0.5]])
+    mask = torch.tensor([[1, 1, 0], [1, 1, 1]])
+    assert_close(sequence_kl_k1(logp, ref, mask), torch.tensor([0.5 - 1.0, 0.5 + 1.5 + 0.0]))
+
+
+def test_k1_as_a_reward_gives_the_kl_gradient_and_k3_does_not():
+    """Why kl_penalty='reward' uses k1: on a one-token policy (exact expectations), the policy gradient of the
+    reward -beta k(y), E_pi[grad log pi(y) (-beta k(y))], is -beta grad KL(pi || ref) for k1; for k3 it is
+    -beta [grad KL(pi || ref) - grad KL(ref || pi)] (so CoMLRL's k3 in the returns pushes away in one direction)."""
+    torch.manual_seed(0)
+    z, ref = torch.randn(5, requires_grad=True), torch.randn(5).log_softmax(0)
+
+    def grad_of(f):
+        (g,) = torch.autograd.grad(f(z.log_softmax(0)), z)
+        return g
+
+    kl = grad_of(lambda logp: (logp.exp() * (logp - ref)).sum())
+    reverse_kl = grad_of(lambda logp: (ref.exp() * (ref - logp)).sum())
+    logp = z.log_softmax(0).detach().unsqueeze(1)  # 5 one-token "completions"
+    ones, pi = torch.ones(5, 1), logp.exp().squeeze(1)
+    for estimate, expected in (
+        (sequence_kl_k1(logp, ref.unsqueeze(1), ones), kl),
+        (kl_k3(logp, ref.unsqueeze(1), ones).sum(dim=1), kl - reverse_kl),
+    ):
+        # the policy-gradient loss of rewards -beta k(y) (beta = 1), summed exactly over y
+        g = grad_of(lambda lp, k=estimate: -(pi * lp * -k).sum())
+        assert_close(g, expected)
+    assert (kl - reverse_kl).abs().max() > 0.01  # the two differ on this policy
 
 
 def test_kl_k3_zero_when_equal_and_never_negative():

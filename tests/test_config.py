@@ -96,6 +96,9 @@ def test_reference_kl_aliases():
     assert MAGRPOConfig(reference_kl_enabled=True, reference_kl_coef=0.05).beta == 0.05
     assert MAGRPOConfig(reference_kl_enabled=False, reference_kl_coef=0.05).beta == 0.0
     assert MAGRPOConfig(reference_kl_enabled=True).beta == 0.1  # CoMLRL's default coefficient
+    # CoMLRL subtracts the KL from the returns: a reward term (k1 here, see docs/algorithms.md)
+    assert MAGRPOConfig(reference_kl_enabled=True).kl_penalty == "reward"
+    assert MAGRPOConfig(reference_kl_enabled=False).kl_penalty == "loss"
 
 
 @pytest.mark.parametrize(
@@ -128,6 +131,8 @@ def test_parallel_training_alias():
         ({"loss_aggregation": "sum"}, r"loss_aggregation='sum': choose one of"),
         ({"discount": 1.5}, r"discount=1.5: must be in \[0, 1\]"),
         ({"beta": -0.1}, r"beta=-0.1: must be >= 0"),
+        ({"kl_penalty": "advantage"}, r"kl_penalty='advantage': choose one of \['loss', 'reward'\]"),
+        ({"kl_penalty": "reward"}, r"kl_penalty='reward' with beta=0 penalises nothing: set beta > 0"),
         ({"min_new_tokens": 10, "max_new_tokens": 5}, r"min_new_tokens=10 > max_new_tokens=5"),
         ({"max_joint_actions": 8}, r"max_joint_actions only applies to joint_mode='cross'"),
         (

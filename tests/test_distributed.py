@@ -172,7 +172,8 @@ def _torchrun(
             },
             ["agent_0/value_head.pt", "agent_1/value_head.pt"],
         ),
-        ("MAPPO", {"num_iterations": 2}, ["critic/value_head.pt"]),
+        # the centralized critic (with agent 0) learns returns less each agent's KL, scored in its own process
+        ("MAPPO", {"num_iterations": 2, "beta": 0.1, "kl_penalty": "reward"}, ["critic/value_head.pt"]),
         (
             "MAREINFORCE",
             {"lora_r": 4, "beta": 0.05},

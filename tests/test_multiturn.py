@@ -12,7 +12,7 @@ import torch
 from comarl import ConfigError, FunctionEnv, MAGRPOConfig, MAGRPOTrainer, MAReMaxConfig, MAReMaxTrainer
 from comarl.engines import Generation, SamplingParams
 from comarl.envs import Env, History, StepResult, comlrl_transition
-from comarl.rollout import collect, greedy_returns, tree_returns
+from comarl.rollout import collect, greedy_returns, tree_returns, with_rewards
 
 
 class CountingEngine:
@@ -271,6 +271,19 @@ def test_discount_reaches_the_completion_returns():
     # root joint actions: 1 + 0.9 * mean(4, 4) = 4.6; turn-2 nodes: 4
     assert torch.allclose(rollout.returns[0][0], torch.tensor([4.6, 4.6]))
     assert torch.allclose(rollout.returns[1][1:], torch.full((2, 2), 4.0))
+    # kl_penalty='reward' recomputes the returns from changed rewards down the same tree:
+    same = with_rewards(rollout, rollout.rewards, discount=0.9)
+    assert all(torch.equal(x, y) for x, y in zip(same.returns, rollout.returns))
+    assert torch.equal(same.node_returns, rollout.node_returns)
+    # agent 0's reward for joint action 0 of the node after root joint action 0 drops by 1: that node's value
+    # for agent 0 becomes mean(3, 4) = 3.5, so the root's joint action 0 returns 1 + 0.9 * 3.5 = 4.15
+    changed = rollout.rewards.clone()
+    child = int(rollout.child[0, 0])
+    changed[child, 0, 0] -= 1
+    penalised = with_rewards(rollout, changed, discount=0.9)
+    assert torch.allclose(penalised.returns[0][0], torch.tensor([4.15, 4.6]))
+    assert torch.allclose(penalised.returns[0][child], torch.tensor([3.0, 4.0]))
+    assert torch.equal(penalised.returns[1], rollout.returns[1])  # agent 1's rewards did not change
 
 
 def test_greedy_baseline_follows_a_greedy_path_from_every_node():

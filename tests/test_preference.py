@@ -455,7 +455,14 @@ def test_marlhf_raises_the_task_reward_through_the_learned_reward(demo_team, tmp
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"beta": 0.1}, "beta=0.1: MADPO's pull towards the reference is dpo_beta; set beta=0"),
+        (
+            {"beta": 0.1},
+            "beta=0.1, kl_penalty='loss': MADPO's pull towards the reference is dpo_beta; set beta=0",
+        ),
+        (
+            {"kl_penalty": "reward"},
+            "beta=0.0, kl_penalty='reward': MADPO's pull towards the reference is dpo_beta",
+        ),
         ({"num_generations": 1}, "MADPO: 1 candidates per prompt cannot form a preference pair"),
         ({"num_turns": 2}, "num_turns=2: MADPO compares whole single-turn joint answers"),
         (

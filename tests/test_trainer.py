@@ -157,19 +157,58 @@ def test_num_agents_1_is_grpo(qwen_bpe):
     assert any(not torch.equal(p, before[n]) for n, p in trainer.team[0].model.named_parameters())
 
 
-def test_ppo_iterations_and_kl_are_reported(qwen_bpe):
-    """num_iterations > 1 reuses the batch under the clipped ratio; beta > 0 adds a KL to the frozen start."""
+@pytest.mark.parametrize("kl_penalty", ["loss", "reward"])
+def test_ppo_iterations_and_kl_are_reported(qwen_bpe, kl_penalty):
+    """num_iterations > 1 reuses the batch under the clipped ratio; beta > 0 adds a KL to the frozen start, to
+    the loss or (kl_penalty='reward') to the rewards."""
     trainer = MAGRPOTrainer(
         model=qwen_bpe,
         num_agents=1,
         train_dataset=DATA,
         reward_func=lambda c: [len(x) for x in c],
-        args=small_args(max_steps=2, num_iterations=3, beta=0.1, learning_rate=1e-2),
+        args=small_args(max_steps=2, num_iterations=3, beta=0.1, learning_rate=1e-2, kl_penalty=kl_penalty),
     )
     metrics = trainer.train()
-    assert metrics["agent_0/kl"] > 0  # the policy moved away from the reference during step 1
+    # the policy moved away from the reference during step 1
+    if kl_penalty == "loss":
+        assert metrics["agent_0/kl"] > 0 and "agent_0/kl_penalty" not in metrics
+    else:
+        assert metrics["agent_0/kl_penalty"] > 0 and "agent_0/kl" not in metrics
     assert 0 <= metrics["agent_0/clip_fraction"] <= 1
     assert trainer.schedulers[0].last_epoch == 2 * 3  # one optimizer step per iteration
+
+
+def test_kl_in_reward_lowers_each_completions_return_by_its_own_k1(qwen_bpe, llama_word):
+    """kl_penalty='reward': a completion's return drops by beta x (log pi(y) - log ref(y)), its own agent's, from
+    the weights that sampled it; the task reward is still what is logged, and the loss has no KL term."""
+    beta = 0.5
+    trainer = MAGRPOTrainer(
+        agents=[qwen_bpe, llama_word],
+        train_dataset=DATA,
+        reward_func=length_reward,
+        args=small_args(beta=beta, kl_penalty="reward", joint_mode="cross", micro_batch_size=2),
+    )
+    torch.manual_seed(0)
+    for reference in trainer.references:  # a reference that differs from the policy at step 1
+        with torch.no_grad():
+            for p in reference.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+    rollout = trainer._collect(DATA[:2])
+    task, metrics = rollout.rewards.clone(), {}
+    penalised = trainer._penalised(rollout, metrics)
+    for i, agent in enumerate(trainer.team.agents):
+        gen = rollout.generations[i]
+        args = (gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask)
+        with torch.no_grad():
+            logp = agent.completion_logprobs(*args)
+            ref = agent.completion_logprobs(*args, model=trainer.references[i])
+        kl = ((logp - ref) * gen.completion_mask).sum(dim=1).view(2, 3)
+        assert kl.abs().min() > 1e-3
+        torch.testing.assert_close(penalised.returns[i], rollout.returns[i] - beta * kl, atol=1e-5, rtol=0)
+        assert metrics[f"agent_{i}/kl_penalty"] == pytest.approx(beta * float(kl.mean()), abs=1e-5)
+    assert torch.equal(rollout.rewards, task)  # the task's rewards are kept as they were
+    stats = trainer.update_agent(0, rollout.generations[0], torch.ones(6))
+    assert "kl" not in stats  # the loss's KL term is off
 
 
 def test_zero_advantage_fraction_explains_a_zero_loss(qwen_bpe):

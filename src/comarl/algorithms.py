@@ -172,6 +172,18 @@ def kl_k3(
     return torch.exp(delta) - delta - 1
 
 
+def sequence_kl_k1(logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    """Per-sequence k1 estimate of KL(pi || pi_ref) from a completion y sampled from pi, ``[B]``:
+
+        KL_seq = sum_t mask_t (logp_t - ref_t)      (log pi(y) - log pi_ref(y); unbiased, can be < 0 per sample)
+
+    This is the KL term that ``kl_penalty='reward'`` subtracts from the reward, ``r - beta * KL_seq``
+    (the InstructGPT / PPO-RLHF penalty): the policy gradient then carries it through the advantage,
+    so no gradient flows through this function's inputs (both come from ``no_grad`` forwards).
+    """
+    return ((logprobs - ref_logprobs) * mask).sum(dim=1)
+
+
 def clipped_surrogate(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,

@@ -6,3 +6,5 @@ SCALES = ("group", "batch", "turn", "none")
 CENTRED_BASELINES = ("group_mean", "leave_one_out", "group_max")
 AGGREGATIONS = ("grpo", "dr_grpo", "dapo")
 PAIR_SELECTIONS = ("reward_gap", "random", "all")
+# Where the beta-weighted KL to the reference goes: k3 per token in the loss, or k1 per completion off the reward.
+KL_PENALTIES = ("loss", "reward")

@@ -12,7 +12,7 @@ from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
 
-from comarl.choices import AGGREGATIONS, BASELINES, CENTRED_BASELINES, PAIR_SELECTIONS, SCALES
+from comarl.choices import AGGREGATIONS, BASELINES, CENTRED_BASELINES, KL_PENALTIES, PAIR_SELECTIONS, SCALES
 
 
 class ConfigError(ValueError):
@@ -188,8 +188,15 @@ class MAGRPOConfig:
         "PPO upper clip: ratio <= 1 + epsilon_high (None = epsilon).", default=None
     )
     beta: float = _help(
-        "Weight of the k3 KL penalty to a frozen copy of each initial agent (0 = no reference model).",
+        "Weight of the KL penalty to a frozen copy of each initial agent (0 = no reference model); where it "
+        "applies: kl_penalty.",
         default=0.0,
+    )
+    kl_penalty: str = _help(
+        "Where beta x KL goes: 'loss' (k3 per token, added to the policy loss, as GRPO and TRL) or 'reward' (k1 of "
+        "each whole completion, log pi(y) - log pi_ref(y), subtracted from its agent's reward before returns and "
+        "advantages, as PPO-RLHF).",
+        default="loss",
     )
 
     agent_settings: list[dict[str, Any]] | None = _help(
@@ -356,6 +363,8 @@ class MAGRPOConfig:
         if reference_kl_enabled is not None or reference_kl_coef is not None:
             enabled = reference_kl_enabled if reference_kl_enabled is not None else True
             self.beta = (reference_kl_coef if reference_kl_coef is not None else 0.1) if enabled else 0.0
+            if enabled:  # CoMLRL subtracts the KL from the returns
+                self.kl_penalty = "reward"
         if parallel_training not in (None, "none", "null", "mp"):
             raise ConfigError(
                 f"parallel_training={parallel_training!r}: use 'none' or 'mp' (or set agent_devices=)"
@@ -414,12 +423,15 @@ class MAGRPOConfig:
             "joint_mode": JOINT_MODES,
             "reward_call": REWARD_CALLS,
             "loss_aggregation": AGGREGATIONS,
+            "kl_penalty": KL_PENALTIES,
             "lr_scheduler_type": LR_SCHEDULES,
         }
         for name, allowed in choices.items():
             if getattr(self, name) not in allowed:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: choose one of {list(allowed)}")
         self.validate_advantage()
+        if self.kl_penalty == "reward" and self.beta == 0:
+            raise ConfigError("kl_penalty='reward' with beta=0 penalises nothing: set beta > 0 (e.g. 0.05)")
         G = self.num_generations
         completions = self.prompts_per_step * G
         if self.micro_batch_size is not None and (
@@ -880,9 +892,10 @@ class MADPOConfig(MAGRPOConfig):
             raise ConfigError(
                 "MADPO learns from preference pairs, not advantages: remove baseline= and scale="
             )
-        if self.beta != 0:
+        if self.beta != 0 or self.kl_penalty != "loss":
             raise ConfigError(
-                f"beta={self.beta}: MADPO's pull towards the reference is dpo_beta; set beta=0 (and dpo_beta=)"
+                f"beta={self.beta}, kl_penalty={self.kl_penalty!r}: MADPO's pull towards the reference is dpo_beta; "
+                "set beta=0 and leave kl_penalty (and set dpo_beta=)"
             )
         _check_preference_fields(self, self.num_generations, "MADPO")
         if self.joint_mode != "aligned":

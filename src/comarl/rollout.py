@@ -245,13 +245,7 @@ def collect(
         raise ValueError(f"{type(env).__name__}.step returned {rewards.shape[-1]} rewards for {N} agents")
     joint_index = torch.stack(joint_rows)
     done = torch.tensor([[r.done for r in row] for row in results])
-    node_returns = tree_returns(rewards, done, children, discount, backup)
-    returns = [
-        torch.stack(
-            [cross_returns(node_returns[n, :, i], joint_index[n, :, i], G) for n in range(len(nodes))]
-        )
-        for i in range(N)
-    ]
+    node_returns, returns = credited_returns(rewards, done, children, joint_index, G, discount, backup)
     child = torch.full(done.shape, -1, dtype=torch.long)
     for n, kids in children.items():
         for k, c in kids.items():
@@ -340,6 +334,43 @@ def greedy_returns(
                 next_active.append((n, result.episode, list(result.observations), depth + 1))
         active, weight = next_active, weight * discount
     return totals, seconds
+
+
+def with_rewards(rollout: Rollout, rewards: torch.Tensor, discount: float, backup: str = "mean") -> Rollout:
+    """``rollout`` with its immediate rewards replaced by ``rewards`` ``[num_nodes, K, N]`` (e.g. less a KL
+    penalty) and its returns recomputed from them down the same tree, as :func:`collect` computes them."""
+    children = {
+        n: {k: c for k, c in enumerate(row) if c >= 0} for n, row in enumerate(rollout.child.tolist())
+    }
+    G = rollout.generations[0].completion_ids.shape[0] // len(rollout.depth)
+    node_returns, returns = credited_returns(
+        rewards, rollout.done, children, rollout.joint_index, G, discount, backup
+    )
+    return dataclasses.replace(rollout, rewards=rewards, node_returns=node_returns, returns=returns)
+
+
+def credited_returns(
+    rewards: torch.Tensor,
+    done: torch.Tensor,
+    children: dict[int, dict[int, int]],
+    joint_index: torch.Tensor,
+    num_generations: int,
+    discount: float,
+    backup: str,
+) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """Each joint action's return (:func:`tree_returns`, ``[num_nodes, K, N]``) and each agent's return per
+    completion, ``[num_nodes, G]`` per agent: the mean over the joint actions it took part in (``cross_returns``)."""
+    node_returns = tree_returns(rewards, done, children, discount, backup)
+    returns = [
+        torch.stack(
+            [
+                cross_returns(node_returns[n, :, i], joint_index[n, :, i], num_generations)
+                for n in range(len(node_returns))
+            ]
+        )
+        for i in range(rewards.shape[-1])
+    ]
+    return node_returns, returns
 
 
 def tree_returns(

@@ -142,7 +142,9 @@ class ActorCriticTrainer(MAGRPOTrainer):
         t0 = time.perf_counter()
         rollout = self._collect(items)
         t1 = time.perf_counter()
-        metrics = rollout_metrics(rollout, self.data)
+        metrics = rollout_metrics(rollout, self.data)  # the task's rewards
+        if args.kl_penalty == "reward" and self.references is not None:
+            rollout = self._penalised(rollout, metrics)  # the critics learn the penalised returns too
 
         # Values of every node (Q: of every joint action) under the policy that collected the batch.
         critic_inputs, old = self._critic_values(rollout)  # [nodes, N] or [nodes, K, N]
@@ -222,7 +224,8 @@ class ActorCriticTrainer(MAGRPOTrainer):
         batches = [slice(s, s + micro) for s in range(0, M, micro)]
         reused = args.num_iterations * args.num_mini_batches > 1
         old_logp = self._logprobs(i, gen, batches) if reused else None
-        ref = self._logprobs(i, gen, batches, self.references[i]) if self.references is not None else None
+        refs = self.references if args.kl_penalty == "loss" else None  # 'reward': already in the returns
+        ref = self._logprobs(i, gen, batches, refs[i]) if refs is not None else None
         for _ in range(args.num_iterations):
             totals = dict.fromkeys(("loss", "value_loss", "clip_fraction", "approx_kl", "entropy", "kl"), 0.0)
             for batch, rows in self._mini_batches(M, self.actor_shuffles[i]):

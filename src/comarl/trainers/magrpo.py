@@ -26,7 +26,7 @@ from typing import Any
 import torch
 
 from comarl.agents import Agent, Team, WithoutAdapters, add_lora, has_adapters, shared_base_lora
-from comarl.algorithms import aggregate_loss, clipped_surrogate, group_advantages, kl_k3
+from comarl.algorithms import aggregate_loss, clipped_surrogate, group_advantages, kl_k3, sequence_kl_k1
 from comarl.config import ConfigError, MAGRPOConfig, MAREINFORCEConfig, MAReMaxConfig, MARLOOConfig
 from comarl.distributed import (
     DataParallel,
@@ -40,7 +40,7 @@ from comarl.distributed import (
 from comarl.engines import Generation, HFEngine, SamplingParams, bf16_autocast
 from comarl.envs import Env, FunctionEnv, comlrl_transition
 from comarl.memory import ModelMemory, ModelSize, check_fits, free_memory, model_memory, model_size, summary
-from comarl.rollout import Rollout, collect, greedy_returns
+from comarl.rollout import Rollout, collect, greedy_returns, with_rewards
 
 
 class MAGRPOTrainer:
@@ -404,7 +404,9 @@ class MAGRPOTrainer:
             generate_seconds += seconds
             greedy = [baselines[:, i] for i in range(self.num_agents)]
         t1 = time.perf_counter()
-        metrics = rollout_metrics(rollout, self.data)
+        metrics = rollout_metrics(rollout, self.data)  # the task's rewards
+        if args.kl_penalty == "reward" and self.references is not None:
+            rollout = self._penalised(rollout, metrics)
         advantages = []
         learning = self.learning_agents()
         for i in range(self.num_agents):
@@ -438,6 +440,39 @@ class MAGRPOTrainer:
             }
         )
         return metrics, self._samples(items, rollout, advantages)
+
+    def _penalised(self, rollout: Rollout, metrics: dict[str, float]) -> Rollout:
+        """``rollout`` with each trained agent's rewards less ``beta x KL`` of the completion it played
+        (``kl_penalty='reward'``) and its returns recomputed from them: ``KL = log pi_i(y) - log ref_i(y)`` over
+        the tokens of y (:func:`sequence_kl_k1`), from the agent's weights that sampled y. Every process ends with
+        every agent's penalties; ``metrics`` gets ``agent_i/kl_penalty``, the mean penalty per completion."""
+        args, nodes = self.args, len(rollout.depth)
+        kl: list[torch.Tensor | None] = [None] * self.num_agents
+        for i in self.local:
+            if self.references[i] is None:  # a frozen agent is its own reference
+                continue
+            gen = rollout.generations[i]
+            M = gen.completion_ids.shape[0]
+            micro = self.agent_args[i].micro_batch_rows(
+                M, gen.prompt_ids.shape[1] + gen.completion_ids.shape[1]
+            )
+            batches = [slice(s, s + micro) for s in range(0, M, micro)]
+            logp = self._logprobs(i, gen, batches)
+            ref = self._logprobs(i, gen, batches, self.references[i])
+            kl[i] = sequence_kl_k1(logp, ref, gen.completion_mask.to(logp.device)).cpu().view(nodes, -1)
+        if self.parallel is not None:  # agent i's process scored agent i
+            parts = self.parallel.gather(kl)
+            kl = [parts[i][i] for i in range(self.num_agents)]
+        penalty = torch.zeros_like(rollout.rewards)
+        sums = {}
+        for i, values in enumerate(kl):
+            if values is not None:
+                penalty[:, :, i] = args.beta * values.gather(1, rollout.joint_index[:, :, i])
+                sums[f"agent_{i}/kl_penalty"] = (args.beta * float(values.sum()), values.numel())
+        if self.data is not None:  # the whole batch's mean
+            sums = {k: tuple(map(sum, zip(*(part[k] for part in self.data.gather(sums))))) for k in sums}
+        metrics.update({k: total / count for k, (total, count) in sums.items()})
+        return with_rewards(rollout, rollout.rewards - penalty, args.discount, args.tree_backup)
 
     def _advantages(
         self, returns: torch.Tensor, greedy: torch.Tensor | None, depth: torch.Tensor
@@ -482,7 +517,7 @@ class MAGRPOTrainer:
             batches = [slice(s, s + micro) for s in range(0, M, micro)]
             # Behaviour and reference log-probs only when the loss needs them.
             old = self._logprobs(i, gen, batches) if args.num_iterations > 1 else None
-            refs = self.references
+            refs = self.references if args.kl_penalty == "loss" else None  # 'reward': already in the returns
             ref = self._logprobs(i, gen, batches, refs[i]) if refs is not None else None
             adv = advantages[i].to(agent.device)
             # The loss is normalised over the whole batch: every process's completions under data parallelism.
@@ -534,7 +569,7 @@ class MAGRPOTrainer:
         """Back-propagate agent ``i``'s clipped policy loss (+ KL), one micro-batch at a time; ``M`` completions and
         ``num_tokens`` tokens in the whole batch are the loss's normalisers."""
         args, agent = self.agent_args[i], self.team[i]
-        totals = {"loss": 0.0, "clip_fraction": 0.0, "kl": 0.0}
+        totals = {"loss": 0.0, "clip_fraction": 0.0} | ({} if ref is None else {"kl": 0.0})
         for sl, real in self._padded(i, batches, filler=slice(0, 1)):
             mask = gen.completion_mask[sl]
             with self._autocast(agent.device):
