@@ -260,8 +260,9 @@ def test_madpo_in_two_processes_exchanges_margins(qwen_bpe, llama_word, tmp_path
         ("MAREINFORCE", {}),
         # KL, PPO iterations (batch-wide advantage statistics: test_data_shards_scale_advantages_by_the_whole_batch)
         ("MAREINFORCE", {"beta": 0.05, "num_iterations": 2, "loss_aggregation": "grpo"}),
-        # each process keeps half of every weight (FSDP2): the KL reference copy too
-        ("MAREINFORCE", {"beta": 0.05, "shard_weights": True}),
+        # each process keeps half of every weight (FSDP2): the KL reference copy too, here scoring the KL penalty
+        # of the rewards (batch-wide metrics of every shard's penalties)
+        ("MAREINFORCE", {"beta": 0.05, "kl_penalty": "reward", "shard_weights": True}),
         # sharded base and adapters, gradients summed over micro-batches
         ("MAREINFORCE", {"lora_r": 4, "micro_batch_size": 1, "shard_weights": True}),
         # a second turn for one shard's item only: the other shard still takes part in turn 2's generate calls
