@@ -173,6 +173,27 @@ def test_early_exit_and_printed_results_cannot_fake_success(env):
     assert faked.components["tests"] == 0.0 and faked.info["success"] is False
 
 
+def test_a_result_line_cut_by_the_output_cap_does_not_count():
+    """The output cap can cut the harness's line for a failing check after its number; that is no pass."""
+    program = build_program(TWO, {"solution": ""}, marker="comarl-m")
+    for cut in ("1", "1 ", "1 fa"):
+        report = code.parse_report(f"x\ncomarl-m 0 pass\n\ncomarl-m {cut}", program)
+        assert (report.passed, report.reported, report.done) == (1, [True, False, False], False)
+
+
+def test_a_name_rebound_between_asserts_keeps_its_value_for_each_check():
+    """Each counted check runs the statements written before its assert, in order, not every one of them."""
+    item = {"task_id": "T/0", "prompt": "def double(xs):\n", "entry_point": "double", "test": (
+        "def check(candidate):\n    xs = [1]\n    assert candidate(xs) == [1, 1]\n"
+        "    xs = [2]\n    assert candidate(xs) == [2, 2]\n")}  # fmt: skip
+    single = CodeEnv(num_agents=1, limits=LIMITS)
+    try:
+        result = play(single, item, "def double(xs):\n    return xs * 2\n")
+    finally:
+        single.close()
+    assert (result.info["passed"], result.info["checks"], result.info["success"]) == (2, 2, True)
+
+
 def test_program_marker_is_random_and_parts_are_located():
     codes = {
         "helper": "def aux(x):\n    return x\n",
@@ -290,6 +311,12 @@ def test_bad_input_is_named():
         CodeEnv(num_agents=3)
     with pytest.raises(ValueError, match=r"CodeEnv: weights has keys \['tests'\]"):
         CodeEnv(weights={"tests": 1.0})
+    # 0 would switch the per-check timer off (setitimer(0)); a negative one fails every check
+    for bad in (0, -1.0, float("nan")):
+        with pytest.raises(
+            ValueError, match=r"CodeEnv: check_timeout_s=.*; give a positive number of seconds"
+        ):
+            CodeEnv(check_timeout_s=bad)
     environment = CodeEnv(num_agents=2, limits=LIMITS)
     try:
         with pytest.raises(KeyError, match=r"CodeEnv.reset: the item lacks \['entry_point', 'test'\]"):

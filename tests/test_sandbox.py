@@ -322,6 +322,26 @@ def test_without_namespaces_the_launcher_still_shields_the_trainer(monkeypatch):
     assert killer.seconds < 2.0  # the orphaned program was killed with its group, not left to sleep
 
 
+def test_a_tampered_launcher_report_is_read_as_no_report_not_raised():
+    """A program of the trainer's own user can open the launcher's status pipe (/proc/<launcher>/fd/N) and
+    write to it; whatever it wrote must not make run_python raise (that would end a training run)."""
+    for status in ("signal x", "exit 0exit 1", "exit", "signal 9signal 9", "exit 0\n"):
+        assert sandbox._reason(None, status, 1, "") == ("killed", 1)
+    assert sandbox._reason(None, "exit 0", 0, "") == ("ok", 0)  # the launcher's own reports still count
+    assert sandbox._reason(None, "signal 24", 152, "") == ("cpu_time", -24)
+
+
+def test_process_limit_is_per_user_on_kernels_before_5_14(monkeypatch):
+    """Linux counts RLIMIT_NPROC per user namespace only from 5.14; before, a user namespace does not make it
+    per run, and every concurrent run (and the trainer's own threads) would share one small limit."""
+    expected = detect_isolation().processes
+    monkeypatch.setattr(sandbox.platform, "release", lambda: "5.4.0-150-generic")
+    old = sandbox._probe(network=False)
+    assert old.processes == ("not enforced" if expected == "not enforced" else "per-user")
+    monkeypatch.setattr(sandbox.platform, "release", lambda: "5.14.0-70.el9.x86_64")
+    assert sandbox._probe(network=False).processes == expected
+
+
 # ---------------------------------------------------------------------------- the pool
 
 

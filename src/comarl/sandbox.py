@@ -26,6 +26,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import platform
+import re
 import selectors
 import shutil
 import signal
@@ -216,11 +218,17 @@ def _probe(network: bool) -> Isolation:
                 break
     if not sys.platform.startswith("linux") or (uid is None and os.geteuid() == 0):
         processes = "not enforced"
-    elif "user" in namespaces:
+    elif "user" in namespaces and _kernel_version() >= (5, 14):  # before, RLIMIT_NPROC ignores the namespace
         processes = "per-run"
     else:
         processes = "per-user"
     return Isolation(prefix, namespaces, uid, python, processes)
+
+
+def _kernel_version() -> tuple[int, int]:
+    """(major, minor) of the running kernel, e.g. (5, 15) for "5.15.0-91-generic"; (0, 0) when unreadable."""
+    match = re.match(r"(\d+)\.(\d+)", platform.release())
+    return (int(match.group(1)), int(match.group(2))) if match else (0, 0)
 
 
 def _runs(prefix: list[str], python: str, uid: int | None) -> bool:
@@ -446,6 +454,10 @@ def _reason(
     kind, _, value = status.partition(" ")
     if kind == "error":
         return "error", None
+    # A program of the trainer's user can open the launcher's status pipe via /proc and write to it: a report
+    # that is not exactly "exit N" / "signal N" counts as none rather than raising in the trainer.
+    if kind in ("exit", "signal") and not (value.isascii() and value.isdigit()):
+        kind = "tampered"
     if kind == "signal":
         number = int(value)
         if number == signal.SIGXCPU:
@@ -453,7 +465,7 @@ def _reason(
         if number == signal.SIGXFSZ:
             return "file_size", -number
         return "killed", -number
-    if kind != "exit":  # no report: the launcher itself was killed (by the program, or the OOM killer)
+    if kind != "exit":  # no (usable) report: the launcher was killed (by the program, or the OOM killer)
         return "killed", launcher_code
     code = int(value)
     if code == 0:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import ast
 import copy
 import json
+import math
 import re
 import secrets
 from collections.abc import Mapping, Sequence
@@ -287,12 +288,13 @@ class Program:
         return "harness", line
 
 
-def split_checks(test: str) -> tuple[list[str], list[str], list[str]] | None:
-    """The counted checks of a test: ``(setup statements, asserts, asserts as written)`` of its ``check``
-    function when that function is a list of asserts (after imports/assignments); else None (the test
-    then counts as one all-or-nothing check). ``assert True`` lines are not counted. Statements are
-    re-generated source (``ast.unparse``, one indentation level); the third list is the original
-    text of each assert, shown in feedback."""
+def split_checks(test: str) -> tuple[list[list[str]], list[str], list[str]] | None:
+    """The counted checks of a test: ``(setup of each assert, asserts, asserts as written)`` of its ``check``
+    function when that function is a list of asserts and imports/assignments; else None (the test
+    then counts as one all-or-nothing check). An assert's setup is every import/assignment written
+    before it, in order (a name rebound between asserts keeps the value each assert saw). ``assert
+    True`` lines are not counted. Statements are re-generated source (``ast.unparse``, one
+    indentation level); the third list is the original text of each assert, shown in feedback."""
     try:
         tree = ast.parse(test)
     except SyntaxError:
@@ -300,11 +302,12 @@ def split_checks(test: str) -> tuple[list[str], list[str], list[str]] | None:
     checks = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "check"]
     if len(checks) != 1:
         return None
-    setup, asserts = [], []
+    setup, setups, asserts = [], [], []
     for statement in checks[0].body:
         if isinstance(statement, ast.Assert):
             if not (isinstance(statement.test, ast.Constant) and statement.test.value):
                 asserts.append(statement)
+                setups.append([ast.unparse(s) for s in setup])
         elif isinstance(statement, (ast.Import, ast.ImportFrom, ast.Assign)) or (
             isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant)
         ):
@@ -314,7 +317,7 @@ def split_checks(test: str) -> tuple[list[str], list[str], list[str]] | None:
     if not asserts:
         return None
     shown = [" ".join((ast.get_source_segment(test, a) or ast.unparse(a)).split()) for a in asserts]
-    return [ast.unparse(s) for s in setup], [ast.unparse(a) for a in asserts], shown
+    return setups, [ast.unparse(a) for a in asserts], shown
 
 
 def _check_function(index: int, setup: list[str], assertion: str) -> str:
@@ -403,8 +406,10 @@ def build_program(
         checks = [f"check({item['entry_point']})"]
         functions = "\n\ndef _comarl_check_0(candidate):\n    check(candidate)\n"
     else:
-        setup, asserts, checks = split
-        functions = "".join("\n\n" + _check_function(i, setup, a) for i, a in enumerate(asserts))
+        setups, asserts, checks = split
+        functions = "".join(
+            "\n\n" + _check_function(i, setup, a) for i, (setup, a) in enumerate(zip(setups, asserts))
+        )
     harness = HARNESS.format(
         marker=marker,
         check_timeout_s=float(check_timeout_s),
@@ -441,13 +446,21 @@ def parse_report(stdout: str, program: Program) -> Report:
     count = len(program.checks)
     failures: list[dict[str, Any] | None] = [None] * count
     reported, done = [False] * count, False
-    for line in stdout.splitlines():
+    # Only whole lines: the output cap can cut the last one anywhere, e.g. "<marker> 3 fa" of a failing check.
+    for line in stdout.split("\n")[:-1]:
         if not line.startswith(program.marker + " "):
             continue
         words = line[len(program.marker) + 1 :].split(" ", 2)
-        if words[0] == "done":
+        if words == ["done"]:
             done = True
-        elif words[0].isdigit() and int(words[0]) < count and not reported[int(words[0])]:
+        elif (
+            len(words) >= 2
+            and words[1] in ("pass", "fail")
+            and words[0].isascii()
+            and words[0].isdigit()
+            and int(words[0]) < count
+            and not reported[int(words[0])]
+        ):
             index = int(words[0])
             reported[index] = True
             if words[1] == "fail":
@@ -650,6 +663,15 @@ class CodeEnv(Env):
             raise ValueError(f"CodeEnv: num_turns={num_turns!r}; give at least 1")
         if not helper_name.isidentifier():
             raise ValueError(f"CodeEnv: helper_name={helper_name!r} is not a Python identifier")
+        # 0 would switch the harness's per-check timer off (setitimer(0)); a negative one fails every check
+        if not (
+            isinstance(check_timeout_s, (int, float))
+            and math.isfinite(check_timeout_s)
+            and check_timeout_s > 0
+        ):
+            raise ValueError(
+                f"CodeEnv: check_timeout_s={check_timeout_s!r}; give a positive number of seconds"
+            )
         default = WEIGHTS if num_agents == 2 else SINGLE_WEIGHTS
         if weights is not None and set(weights) != set(default):
             raise ValueError(f"CodeEnv: weights has keys {sorted(weights)}; give exactly {sorted(default)}")
