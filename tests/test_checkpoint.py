@@ -108,3 +108,43 @@ def test_resume_errors_name_the_problem(qwen_bpe, tmp_path):
         other.train(resume_from_checkpoint=tmp_path / "run" / "checkpoints" / "step_2")
     with pytest.raises(ConfigError, match=r"save_steps=2: checkpoints go into output_dir; set output_dir="):
         MAGRPOConfig(save_steps=2)
+
+
+class _Stub:
+    """The little of a trainer that save_checkpoint reads: one process, a step and a state."""
+
+    processes, num_agents = None, 1
+
+    def __init__(self, step):
+        self.step = step
+
+    def checkpoint_state(self):
+        return {"step": self.step}
+
+
+def test_a_new_checkpoint_replaces_those_an_earlier_run_left_past_it(tmp_path, monkeypatch):
+    from comarl import checkpoint
+
+    for step in (2, 4, 6):  # an earlier run in the same folder that went further
+        checkpoint.save_checkpoint(_Stub(step), tmp_path, keep=3)
+    written, real_save = [], torch.save
+
+    def save(obj, path):  # the folder being rewritten does not count as finished meanwhile
+        written.append([p.name for p in checkpoint.completed_checkpoints(tmp_path)])
+        real_save(obj, path)
+
+    monkeypatch.setattr(checkpoint.torch, "save", save)
+    directory = checkpoint.save_checkpoint(_Stub(2), tmp_path, keep=3)
+    assert written == [["step_4", "step_6"]]
+    # step_4 and step_6 belong to the replaced run: --resume must not jump back to them
+    assert checkpoint.completed_checkpoints(tmp_path) == [directory]
+    assert torch.load(directory / "process_0.pt", weights_only=False)["trainer"] == {"step": 2}
+
+
+def test_truncate_log_drops_a_row_cut_off_by_a_crash(tmp_path):
+    from comarl.checkpoint import truncate_log
+
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"step": 1, "reward": 0.5}\n{"step": 2, "reward": 0.7}\n{"step": 3, "rew')
+    truncate_log(log, 2)
+    assert log.read_text() == '{"step": 1, "reward": 0.5}\n{"step": 2, "reward": 0.7}\n'

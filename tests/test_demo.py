@@ -83,6 +83,18 @@ def test_cli_train_resumes_from_the_newest_checkpoint(tmp_path, capsys):
     assert steps == [1, 2]
 
 
+def test_cli_resume_without_a_checkpoint_stops_before_any_model_loads(tmp_path, capsys):
+    spec = tmp_path / "run.yaml"
+    spec.write_text("task: demo\nargs: {max_steps: 1, save_steps: 1}\n")
+    out = tmp_path / "out"
+    assert main(["train", str(spec), "--set", f"output_dir={out}", "--resume"]) == 2
+    assert capsys.readouterr().err == (
+        f"comarl: error: --resume: no finished checkpoint in {out / 'checkpoints'}; "
+        "run without --resume to start the run (it writes one every args.save_steps)\n"
+    )
+    assert not out.exists()  # the demo team was not built
+
+
 def test_cli_train_function_task(tmp_path, qwen_bpe, capsys):
     (tmp_path / "data.jsonl").write_text('{"prompt": "def add(a, b):"}\n{"prompt": "alice and bob"}\n')
     (tmp_path / "rewards.py").write_text(

@@ -227,3 +227,17 @@ def test_cli_plot_draws_a_run_folder(tmp_path, capsys):
     assert "comarl plot: none of the keys ['success'] appear in" in capsys.readouterr().err
     assert main(["plot", str(tmp_path / "nowhere")]) == 2
     assert "nowhere/metrics.jsonl does not exist" in capsys.readouterr().err
+
+
+def test_plot_of_a_run_stopped_mid_row_into_a_new_folder(tmp_path, capsys):
+    from comarl.cli import main
+
+    # the run was killed while it wrote its third row
+    (tmp_path / "metrics.jsonl").write_text('{"step": 1, "reward": 0.1}\n{"step": 2, "reward": 0.2}\n{"st')
+    assert read_metrics(tmp_path / "metrics.jsonl") == [
+        {"step": 1, "reward": 0.1},
+        {"step": 2, "reward": 0.2},
+    ]
+    out = tmp_path / "figures" / "run.png"
+    assert main(["plot", str(tmp_path), "--out", str(out)]) == 0
+    assert out.read_bytes()[:4] == b"\x89PNG"

@@ -7,7 +7,10 @@ A checkpoint is a folder ``output_dir/checkpoints/step_<N>/``:
   (Python, NumPy, torch CPU and CUDA, the joint-action and mini-batch generators);
 - ``trainer_state.json`` — the step, the trainer, the team size and the number of processes. It is
   written last, through a temporary file and a rename, so a folder without it is an unfinished
-  checkpoint and is never loaded.
+  checkpoint and is never loaded. It is removed first when a folder is rewritten or deleted.
+
+Saving step N also deletes the checkpoints past N (an earlier run's in the same folder, which this run
+replaces) and keeps the newest ``save_total_limit``, step N among them.
 
 The data order needs no state: each epoch's permutation comes from ``seed + epoch``, and a resumed
 run skips the steps already taken. The reference models (``beta > 0``) are rebuilt from the
@@ -41,7 +44,7 @@ def completed_checkpoints(output_dir: str | Path) -> list[Path]:
     if not root.is_dir():
         return []
     done = [p for p in root.iterdir() if p.name.startswith("step_") and (p / STATE_FILE).is_file()]
-    return sorted(done, key=lambda p: int(p.name.removeprefix("step_")))
+    return sorted(done, key=_step)
 
 
 def rng_state() -> dict[str, Any]:
@@ -73,7 +76,13 @@ def save_checkpoint(trainer: Any, output_dir: str | Path, keep: int) -> Path:
     parallel = trainer.processes
     rank = 0 if parallel is None else parallel.rank
     directory = checkpoint_dir(output_dir, trainer.step)
-    directory.mkdir(parents=True, exist_ok=True)
+    if rank == 0:
+        # A folder left by an earlier run at this step stops counting as finished before any part is replaced:
+        # otherwise a crash midway would leave parts of two runs under one trainer_state.json.
+        _unmark(directory)
+        directory.mkdir(parents=True, exist_ok=True)
+    if parallel is not None:
+        parallel.barrier()
     target = directory / f"process_{rank}.pt"
     temporary = target.with_suffix(".tmp")
     torch.save({"trainer": trainer.checkpoint_state(), "rng": rng_state()}, temporary)
@@ -90,11 +99,35 @@ def save_checkpoint(trainer: Any, output_dir: str | Path, keep: int) -> Path:
         temporary = directory / (STATE_FILE + ".tmp")
         temporary.write_text(json.dumps(state, indent=1))
         os.replace(temporary, directory / STATE_FILE)
-        for old in completed_checkpoints(output_dir)[:-keep]:
-            shutil.rmtree(old, ignore_errors=True)
+        # Checkpoints past this step were left by an earlier run in this folder (one that went further, or the
+        # run this one resumed from an older checkpoint): this run replaces them, and resuming must not jump
+        # back to them. Of the rest, the newest `keep` stay, this one among them.
+        older = []
+        for other in completed_checkpoints(output_dir):
+            if _step(other) < trainer.step:
+                older.append(other)
+            elif other != directory:
+                _remove(other)
+        for old in older[: max(len(older) - (keep - 1), 0)]:
+            _remove(old)
     if parallel is not None:
         parallel.barrier()
     return directory
+
+
+def _step(directory: Path) -> int:
+    return int(directory.name.removeprefix("step_"))
+
+
+def _unmark(directory: Path) -> None:
+    """Make ``directory`` an unfinished checkpoint, which is never loaded."""
+    (directory / STATE_FILE).unlink(missing_ok=True)
+
+
+def _remove(directory: Path) -> None:
+    # Unmarked first: a removal cut short leaves an unfinished checkpoint, not a finished one with parts missing.
+    _unmark(directory)
+    shutil.rmtree(directory, ignore_errors=True)
 
 
 def load_checkpoint(trainer: Any, directory: str | Path) -> int:
@@ -123,10 +156,19 @@ def load_checkpoint(trainer: Any, directory: str | Path) -> int:
 
 
 def truncate_log(path: Path, step: int) -> None:
-    """Drop the rows of a JSONL log written after ``step`` (by a run that went on after its last checkpoint)."""
+    """Drop the rows of a JSONL log written after ``step`` (by a run that went on after its last checkpoint),
+    and a row the crash cut off (not a JSON object), which the next row would otherwise be appended to."""
     if not path.is_file():
         return
     rows = [line for line in path.read_text().splitlines() if line.strip()]
-    kept = [line for line in rows if json.loads(line).get("step", 0) <= step]
+    kept = [line for line in rows if (row := _row(line)) is not None and row.get("step", 0) <= step]
     if len(kept) != len(rows):
         path.write_text("".join(line + "\n" for line in kept))
+
+
+def _row(line: str) -> dict[str, Any] | None:
+    try:
+        row = json.loads(line)
+    except json.JSONDecodeError:
+        return None
+    return row if isinstance(row, dict) else None

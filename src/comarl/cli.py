@@ -162,6 +162,15 @@ def _train(spec: RunSpec, resume: bool = False) -> int:
         "marlhf": preference.MARLHFTrainer,
     }[spec.trainer]
     args = spec.trainer_args()
+    if resume:  # checked before any model loads, as the config is
+        from comarl.checkpoint import CHECKPOINTS, completed_checkpoints
+
+        if args.output_dir is None or not completed_checkpoints(args.output_dir):
+            where = Path(args.output_dir) / CHECKPOINTS if args.output_dir else "output_dir (not set)"
+            raise ConfigError(
+                f"--resume: no finished checkpoint in {where}; run without --resume to start the run (it writes "
+                "one every args.save_steps)"
+            )
     if spec.task == "demo":
         from comarl.tasks import demo
 

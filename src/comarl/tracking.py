@@ -207,9 +207,16 @@ class RunLogger:
 
 
 def read_metrics(path: str | Path) -> list[dict]:
-    """Read a ``metrics.jsonl`` file into a list of dicts (blank lines are skipped)."""
+    """Read a ``metrics.jsonl`` file into a list of dicts (blank lines are skipped, and a last row cut off by a
+    run killed while writing it)."""
     with open(path, encoding="utf-8") as handle:
-        return [json.loads(line) for line in handle if line.strip()]
+        lines = [line for line in handle if line.strip()]
+    if lines and not lines[-1].endswith("\n"):
+        try:
+            json.loads(lines[-1])
+        except json.JSONDecodeError:
+            lines.pop()
+    return [json.loads(line) for line in lines]
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
@@ -252,5 +259,6 @@ def plot_metrics(
         ax.grid(alpha=0.3)
     figure.tight_layout()
     out_path = Path(out_path)
+    out_path.parent.mkdir(parents=True, exist_ok=True)  # e.g. `comarl plot RUN --out figures/run.png`
     figure.savefig(out_path, dpi=100)
     return out_path
