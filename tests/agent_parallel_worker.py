@@ -10,6 +10,7 @@ import torch
 from torch.distributed.tensor import DTensor
 
 import comarl
+from comarl.distributed import finish
 from comarl.trainers.preference import reward_scores
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -84,3 +85,4 @@ def whole(param: torch.Tensor) -> torch.Tensor:
 
 if __name__ == "__main__":
     main()
+    finish()  # as `comarl train` ends a distributed run (see comarl.distributed.finish)

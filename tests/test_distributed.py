@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -544,3 +545,32 @@ def test_data_parallel_checks(qwen_bpe, monkeypatch):
             reward_func=two_word_reward,
             args=MAREINFORCEConfig(**run_args(data_parallel=True)),
         )
+
+
+EXIT_SCRIPT = """
+import sys
+import torch.distributed as dist
+from comarl.distributed import _process_group, finish
+_process_group("launch hint")
+if sys.argv[1] == "user-destroys":  # as torch's docs advise; comarl's own atexit close must then do nothing
+    dist.destroy_process_group()
+    print("destroyed")
+else:
+    print("finished", end="")  # no newline: finish must flush it before leaving
+    finish(int(sys.argv[2]))
+"""
+
+
+def test_process_group_ends_cleanly_and_finish_leaves_with_its_status(tmp_path):
+    """A user who destroys the group comarl opened exits 0 without a traceback from comarl's atexit close;
+    finish() leaves with the given status after flushing (a one-process gloo world)."""
+    env = dict(os.environ, RANK="0", WORLD_SIZE="1", LOCAL_WORLD_SIZE="1", MASTER_ADDR="127.0.0.1")
+    for argv, code, printed in ((["user-destroys"], 0, "destroyed\n"), (["finish", "3"], 3, "finished")):
+        with socket.socket() as s:  # a free port for this world's store
+            s.bind(("127.0.0.1", 0))
+            env["MASTER_PORT"] = str(s.getsockname()[1])
+        done = subprocess.run(
+            [sys.executable, "-c", EXIT_SCRIPT, *argv], env=env, capture_output=True, text=True, timeout=120
+        )
+        assert (done.returncode, done.stdout) == (code, printed), done.stderr
+        assert "Traceback" not in done.stderr, done.stderr

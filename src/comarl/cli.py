@@ -211,6 +211,10 @@ def _train(spec: RunSpec, resume: bool = False) -> int:
         metrics.update(trainer.evaluate())
     if trainer.processes is None or trainer.processes.rank == 0:  # one summary per run, not per process
         print(json.dumps({k: round(v, 4) for k, v in metrics.items() if not k.startswith("time/")}, indent=1))
+    if trainer.processes is not None:
+        from comarl.distributed import finish
+
+        finish(0)  # under torchrun: leave without the interpreter teardown that can abort a finished run
     return 0
 
 

@@ -22,9 +22,10 @@ import hashlib
 import math
 import os
 import pickle
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import torch
 
@@ -256,8 +257,37 @@ def _process_group(launch_hint: str) -> Any:
             torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
         dist.init_process_group(backend=backend)
         # A group left open hangs the interpreter's exit (gloo); the group we opened we also close.
-        atexit.register(dist.destroy_process_group)
+        atexit.register(_close_process_group)
     return dist
+
+
+def _close_process_group() -> None:
+    """Destroy the default process group and every subgroup, unless the caller already did."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def finish(exit_code: int = 0) -> NoReturn:
+    """End a process of a distributed run whose work is done: wait for every process, destroy the process
+    groups, flush the output and leave at once with ``exit_code`` (``os._exit``).
+
+    Why not a normal exit: it could abort a finished run ("terminate called without an active exception", exit
+    -6). Once ``torch._dynamo`` is imported (FSDP2 and transformers import it), the gloo group's worker threads
+    outlive ``destroy_process_group`` and are torn down during the interpreter's finalization, where a thread that
+    touches Python is stopped by ``pthread_exit`` (through C++ frames: ``std::terminate``). ``os._exit`` skips that
+    teardown. atexit handlers do not run: call it last, after the trainer has closed its trackers (``train()``
+    does). ``comarl train`` calls it under torchrun.
+    """
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.barrier()  # no process leaves while another still exchanges with it
+    _close_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
 
 
 def _backend(processes_here: int) -> str:
