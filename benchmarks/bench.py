@@ -109,10 +109,12 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[Case, dict[str, float]]:
         "cpu_seconds",
         "peak_rss_mb",
     )
-    return {
-        case: {**{k: median([r[k] for r in rs]) for k in keys}, "repeats": len(rs)}
-        for case, rs in grouped.items()
-    }
+    summary = {}
+    for case, rs in grouped.items():
+        summary[case] = {**{k: median([r[k] for r in rs]) for k in keys}, "repeats": len(rs)}
+        gpu = [r["peak_gpu_mb"] for r in rs if r.get("peak_gpu_mb") is not None]
+        summary[case]["peak_gpu_mb"] = median(gpu) if gpu else None
+    return summary
 
 
 def comparisons(summary: dict[Case, dict[str, float]]) -> list[dict[str, Any]]:
@@ -143,6 +145,8 @@ def comparisons(summary: dict[Case, dict[str, float]]) -> list[dict[str, Any]]:
                 "overhead": 1 / ratio,
                 "comarl_rss_mb": ours["peak_rss_mb"],
                 "peer_rss_mb": peer["peak_rss_mb"],
+                "comarl_gpu_mb": ours["peak_gpu_mb"],
+                "peer_gpu_mb": peer["peak_gpu_mb"],
             }
         )
     return rows
@@ -219,12 +223,18 @@ def targets(
     return found
 
 
+def _mib(value: float | None) -> str:
+    return "-" if value is None else f"{value:.0f}"
+
+
 def markdown(rows: Sequence[dict[str, Any]], summary: dict[Case, dict[str, float]]) -> str:
     """The result tables in markdown: comarl vs each peer, comarl vs the floor, targets, scaling in agents."""
+    gpu = any(r.get("comarl_gpu_mb") is not None for r in rows)
     lines = [
         "| mode | agents | peer | comarl compl/s | peer compl/s | **comarl / peer** | (CPU-time ratio) "
-        "| comarl tok/s | peer tok/s | comarl RSS MiB | peer RSS MiB |",
-        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+        "| comarl tok/s | peer tok/s | comarl RSS MiB | peer RSS MiB |"
+        + (" comarl GPU MiB | peer GPU MiB |" if gpu else ""),
+        "|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|" + ("---:|---:|" if gpu else ""),
     ]
     for r in rows:
         if r["peer"] == "floor":
@@ -234,6 +244,7 @@ def markdown(rows: Sequence[dict[str, Any]], summary: dict[Case, dict[str, float
             f"| {r['peer_completions_per_s']:.2f} | **{r['ratio']:.2f}x** | {r['cpu_ratio']:.2f}x "
             f"| {r['comarl_tokens_per_s']:.0f} | {r['peer_tokens_per_s']:.0f} "
             f"| {r['comarl_rss_mb']:.0f} | {r['peer_rss_mb']:.0f} |"
+            + (f" {_mib(r['comarl_gpu_mb'])} | {_mib(r['peer_gpu_mb'])} |" if gpu else "")
         )
     floor = [r for r in rows if r["peer"] == "floor"]
     if floor:
@@ -311,6 +322,14 @@ def ensure_venv(name: str, requirement: str) -> Path:
     return python
 
 
+def _gpu_name() -> str:
+    """The name of the GPU the runs used (asked in a child process: the driver keeps no CUDA context)."""
+    code = "import torch; print(torch.cuda.get_device_name(0))"
+    return subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True
+    ).stdout.strip()
+
+
 def library_versions(python: Path, modules: Sequence[str]) -> dict[str, str]:
     """Installed versions of ``modules`` in the interpreter ``python`` (recorded with the results)."""
     code = (
@@ -322,7 +341,13 @@ def library_versions(python: Path, modules: Sequence[str]) -> dict[str, str]:
 
 
 def run_case(
-    case: Case, python: Path, workload: Path, threads: int, prompts: int | None, timeout: float
+    case: Case,
+    python: Path,
+    workload: Path,
+    threads: int,
+    prompts: int | None,
+    timeout: float,
+    device: str = "cpu",
 ) -> dict[str, Any]:
     """Run one case in a fresh process and return its RESULT line as a dict."""
     launcher = [str(python)]
@@ -339,6 +364,8 @@ def run_case(
         str(case.agents),
         "--threads",
         str(threads),
+        "--device",
+        device,
     ]
     if prompts is not None:
         command += ["--prompts", str(prompts)]
@@ -379,6 +406,22 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument(
         "--libraries", default="comarl,comlrl,trl,floor,comarl-ap", help="subset of libraries to run"
     )
+    parser.add_argument(
+        "--device",
+        default="cpu",
+        help="cpu (default, the recorded CPU tables) or cuda: where every library trains, the same for all",
+    )
+    parser.add_argument(
+        "--peers-here",
+        action="store_true",
+        help="run CoMLRL and TRL with this interpreter instead of their own venvs (a machine without network, "
+        "where they were installed from wheels; see docs/benchmarks.md)",
+    )
+    parser.add_argument(
+        "--keep-going",
+        action="store_true",
+        help="record a failed run (its last output) and go on with the others instead of stopping",
+    )
     parser.add_argument("--timeout", type=float, default=1800, help="seconds per run before it is abandoned")
     parser.add_argument("--out", default=str(HERE / "results"), help="folder for <date>.json and <date>.md")
     parser.add_argument(
@@ -413,7 +456,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     }
     for name, requirement in PEER_REQUIREMENTS.items():
         if name in libraries:
-            pythons[name] = ensure_venv(name, requirement)
+            pythons[name] = Path(sys.executable) if args.peers_here else ensure_venv(name, requirement)
     versions = {
         name: library_versions(
             python, ["torch", "transformers", *([name] if name in PEER_REQUIREMENTS else [])]
@@ -432,10 +475,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     # Every run is appended as it finishes, so an interrupted benchmark keeps what it measured.
     partial = out / f"{stamp}.runs.jsonl"
-    runs = []
+    runs, failures = [], []
     plan = schedule(cases, repeats)
     for i, case in enumerate(plan, start=1):
-        result = run_case(case, pythons[case.library], workload, args.threads, prompts, args.timeout)
+        try:
+            result = run_case(
+                case, pythons[case.library], workload, args.threads, prompts, args.timeout, args.device
+            )
+        except (RuntimeError, subprocess.TimeoutExpired) as error:
+            if not args.keep_going:
+                raise
+            print(f"[{i}/{len(plan)}] {case.library:<7} {case.mode:<8} agents={case.agents}  FAILED: {error}")
+            failures.append({**asdict(case), "error": str(error)[-3000:]})
+            continue
         runs.append(result)
         with partial.open("a") as f:
             f.write(json.dumps(result) + "\n")
@@ -455,11 +507,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             "prompts": prompts or 32,
             "threads": args.threads,
             "quick": args.quick,
+            "device": args.device,
         },
         "machine": {
             "cpus": os.cpu_count(),
             "platform": platform.platform(),
             "python": platform.python_version(),
+            "gpu": _gpu_name() if args.device.startswith("cuda") else None,
         },
         "versions": versions,
         "summary": [{**asdict(c), **v} for c, v in summary.items()],
@@ -467,6 +521,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "agent_parallel": agent_parallel_rows(summary),
         "targets": targets(rows, agent_parallel_rows(summary)),
         "runs": runs,
+        "failures": failures,
     }
     (out / f"{stamp}.json").write_text(json.dumps(record, indent=1))
     (out / f"{stamp}.md").write_text(table + "\n")

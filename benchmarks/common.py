@@ -45,6 +45,11 @@ def runner_args(description: str) -> argparse.Namespace:
         help="comarl only: one process per agent (launched by torchrun with --nproc-per-node=agents)",
     )
     parser.add_argument(
+        "--device",
+        default="cpu",
+        help="where every library places its models: cpu (the recorded CPU tables) or cuda (the GPU tables)",
+    )
+    parser.add_argument(
         "--bf16",
         action="store_true",
         help="comarl and TRL: bf16 autocast (bf16=True) instead of the workload's fp32; not what the targets compare",
@@ -101,6 +106,9 @@ class Clock:
         return self
 
     def __exit__(self, *exc: Any) -> None:
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            torch.cuda.synchronize()  # the last step's kernels belong to the timed region
         self.seconds = time.perf_counter() - self.started
         self.cpu_seconds = time.process_time() - self.cpu_started
 
@@ -108,6 +116,14 @@ class Clock:
 def peak_rss_mb() -> float:
     """Peak resident set size of this process in MiB (Linux reports ru_maxrss in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024.0
+
+
+def peak_gpu_mb() -> float | None:
+    """Peak memory torch allocated on the GPU in this process, in MiB; None where CUDA was not used."""
+    torch = sys.modules.get("torch")
+    if torch is None or not torch.cuda.is_initialized():
+        return None
+    return torch.cuda.max_memory_allocated() / 2**20
 
 
 def report(
@@ -140,6 +156,8 @@ def report(
         "completions_per_cpu_s": clock.completions / clock.cpu_seconds,
         "setup_seconds": round(setup_seconds, 3),
         "peak_rss_mb": round(peak_rss_mb(), 1),
+        "device": args.device,
+        "peak_gpu_mb": peak_gpu_mb(),
         "python": sys.version.split()[0],
         **extra,
     }

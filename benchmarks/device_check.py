@@ -123,7 +123,7 @@ def check_agent_parallel(device: str, base: Path) -> str:
         "-x",
         str(ROOT / "tests" / "test_distributed.py"),
         "-k",
-        "MAREINFORCE",
+        "test_two_processes_train_what_one_process_trains and MAREINFORCE",
         "-p",
         "no:cacheprovider",
     ]

@@ -42,7 +42,10 @@ def main() -> None:
     G = NUM_GENERATIONS
     tokenizer = AutoTokenizer.from_pretrained(model_path(args.workload), padding_side="left")
     tokenizer.pad_token = tokenizer.eos_token
-    models = [AutoModelForCausalLM.from_pretrained(model_path(args.workload)) for _ in range(args.agents)]
+    models = [
+        AutoModelForCausalLM.from_pretrained(model_path(args.workload)).to(args.device)
+        for _ in range(args.agents)
+    ]
     optimizers = [torch.optim.AdamW(m.parameters(), lr=LEARNING_RATE) for m in models]
     generation_config = GenerationConfig(
         max_new_tokens=NEW_TOKENS,
@@ -58,7 +61,9 @@ def main() -> None:
     setup_seconds = time.perf_counter() - started
     with clock:
         for start in range(0, len(prompts) - per_step + 1, per_step):
-            enc = tokenizer(prompts[start : start + per_step], return_tensors="pt", padding=True)
+            enc = tokenizer(prompts[start : start + per_step], return_tensors="pt", padding=True).to(
+                args.device
+            )
             prompt_ids = enc["input_ids"].repeat_interleave(G, dim=0)
             prompt_mask = enc["attention_mask"].repeat_interleave(G, dim=0)
             completions, texts = [], []
@@ -73,7 +78,7 @@ def main() -> None:
                 texts.append(tokenizer.batch_decode(ids, skip_special_tokens=True))
                 clock.completions += ids.shape[0]
                 clock.tokens += ids.numel()  # min_new_tokens = max_new_tokens: no EOS, no padding
-            rewards = torch.tensor(team_reward(*texts)).view(-1, G)
+            rewards = torch.tensor(team_reward(*texts), device=args.device).view(-1, G)
             advantages = (
                 (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)
             ).view(-1)

@@ -42,7 +42,7 @@ def build_trainer(args: Any, prompts: list[dict[str, str]]) -> Any:
         progress_bar=False,
         output_dir=None,
         shuffle=False,
-        agent_devices="cpu",
+        agent_devices=args.device,
         agent_parallel=args.agent_parallel,
         bf16=args.bf16,
     )

@@ -52,6 +52,7 @@ def main() -> None:
         eval_num_samples=0,
         rollout_buffer_size=per_step,
         train_batch_size=per_step,
+        agent_devices=args.device,
     )
     trainer = MAGRPOTrainer(
         agent_model=model_path(args.workload),

@@ -59,7 +59,7 @@ def main() -> None:
         num_train_epochs=1,
         beta=0.0,
         bf16=args.bf16,
-        use_cpu=True,
+        use_cpu=args.device == "cpu",
         shuffle_dataset=False,
         logging_steps=10**6,
         save_strategy="no",
