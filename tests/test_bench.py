@@ -111,6 +111,23 @@ def test_markdown_tables():
     assert "| 2 agents, peer semantics: >= 1.5x CoMLRL's completions/s |" not in text  # not measured here
 
 
+def test_gpu_runs_add_the_peak_gpu_memory_columns():
+    summary = summarize(
+        [
+            {**run("comarl", "batched", 1, 6.0), "peak_gpu_mb": 100.0},
+            {**run("comarl", "batched", 1, 6.0), "peak_gpu_mb": 140.0},
+            {**run("comlrl", "batched", 1, 2.0, rss=700), "peak_gpu_mb": 300.0},
+        ]
+    )
+    assert summary[Case("comarl", "batched", 1)]["peak_gpu_mb"] == 120.0  # median of the repeats
+    text = markdown(comparisons(summary), summary)
+    assert "| comarl RSS MiB | peer RSS MiB | comarl GPU MiB | peer GPU MiB |" in text
+    assert (
+        "| batched | 1 | comlrl | 6.00 | 2.00 | **3.00x** | 3.00x | 192 | 64 | 500 | 700 | 120 | 300 |"
+        in text
+    )
+
+
 def test_agent_parallel_rows_compare_with_one_process_and_comlrl_and_give_the_scaling():
     summary = summarize(
         [

@@ -96,6 +96,7 @@ def main(argv: list[str] | None = None) -> int:
     bench.add_argument("--quick", action="store_true", help="smoke run: 8 prompts, one repeat")
     bench.add_argument("--repeats", type=int, default=None, help="repeats per case (default 2)")
     bench.add_argument("--threads", type=int, default=1, help="torch threads of every measured process")
+    bench.add_argument("--device", default="cpu", help="cpu (default) or cuda: where every library trains")
 
     args = parser.parse_args(argv)
     try:
@@ -255,7 +256,7 @@ def _bench(args: argparse.Namespace) -> int:
         raise ConfigError(
             f"comarl bench runs {script}, which only a source checkout has; clone the repository and run it there"
         )
-    command = [sys.executable, str(script), "--threads", str(args.threads)]
+    command = [sys.executable, str(script), "--threads", str(args.threads), "--device", args.device]
     command += ["--quick"] if args.quick else []
     command += ["--repeats", str(args.repeats)] if args.repeats is not None else []
     return subprocess.run(command, check=False).returncode
