@@ -86,8 +86,9 @@ def assert_metrics_equal(ranks: list[dict], expected: dict) -> None:
 def assert_saved_agents_compute(out: Path, single) -> None:
     """The agents a distributed run saved compute the single process's logits."""
     for i, agent in enumerate(single.team):
-        loaded = AutoModelForCausalLM.from_pretrained(out / "agents" / f"agent_{i}")
+        loaded = AutoModelForCausalLM.from_pretrained(out / "agents" / f"agent_{i}").to(agent.device)
         ids = agent.tokenizer(["alice and bob", "def add(a, b):"], return_tensors="pt", padding=True)
+        ids = ids.to(agent.device)
         with torch.no_grad():
             assert torch.allclose(loaded(**ids).logits, agent.model(**ids).logits, atol=1e-5), i
 
@@ -514,6 +515,17 @@ def test_backend_counts_the_gpus_of_this_machine(monkeypatch):
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     assert comarl.distributed._backend(8) == "nccl"
     assert comarl.distributed._backend(9) == "gloo"
+
+
+def test_processes_outnumbering_the_gpus_share_them(monkeypatch):
+    """Two processes on a one-GPU machine (gloo) both train on cuda:0, not on a cuda:1 that does not exist."""
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert comarl.distributed.local_gpu(1) == "cuda:0"
+    data = DataParallel(None, rank=1, world_size=2)
+    assert data.device(["cuda", "cpu"]) == ["cuda:0", "cpu"]
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert comarl.distributed.local_gpu(1) == "cuda:1"
 
 
 def test_data_parallel_checks(qwen_bpe, monkeypatch):

@@ -83,11 +83,10 @@ class AgentParallel(Processes):
     agent it trains). Alone, they are the whole run; with data parallelism, one data shard's processes."""
 
     def device(self, devices: Sequence[str]) -> str:
-        """This rank's device: its entry of ``devices``, or ``cuda:LOCAL_RANK`` when agents share 'cuda'."""
+        """This rank's device: its entry of ``devices``, or this process's GPU (:func:`local_gpu`) when agents
+        share 'cuda'."""
         device = devices[self.rank]
-        if device == "cuda":
-            return f"cuda:{int(os.environ.get('LOCAL_RANK', self.rank))}"
-        return device
+        return local_gpu(self.rank) if device == "cuda" else device
 
     def generate_all(
         self,
@@ -126,9 +125,8 @@ class DataParallel(Processes):
     """
 
     def device(self, devices: Sequence[str]) -> list[str]:
-        """This process's copy of the team on its own GPU (``cuda:LOCAL_RANK``) when the agents are on GPUs."""
-        local = int(os.environ.get("LOCAL_RANK", self.rank))
-        return [f"cuda:{local}" if str(d).startswith("cuda") else d for d in devices]
+        """This process's copy of the team on its own GPU (:func:`local_gpu`) when the agents are on GPUs."""
+        return [local_gpu(self.rank) if str(d).startswith("cuda") else d for d in devices]
 
     def shard(self, items: Sequence[Any]) -> list[Any]:
         """This process's contiguous share of ``items`` (their count is a multiple of the world size)."""
@@ -190,6 +188,11 @@ def sum_and_clip_gradients(
         for g in grads + whole_grads:
             g.mul_(scale)
     return norm
+
+
+def local_gpu(rank: int) -> str:
+    """``cuda:LOCAL_RANK``, wrapped around this machine's GPU count: processes outnumbering the GPUs share them."""
+    return f"cuda:{int(os.environ.get('LOCAL_RANK', rank)) % max(torch.cuda.device_count(), 1)}"
 
 
 def _is_shard(tensor: torch.Tensor) -> bool:
