@@ -217,7 +217,11 @@ def next_tokens(
     scores = sampling_scores(logits, params, eos, suppress_eos)
     if not params.do_sample:
         return scores.argmax(dim=-1)
-    cdf = scores.softmax(dim=-1).cumsum(dim=-1)
+    probs = scores.softmax(dim=-1)
+    # CUDA's cumsum adds in tree order: a token of probability 0 could sit one rounding step above its left
+    # neighbour and be drawn. Zeroing its entry and taking the running max gives it a window of exactly 0 (on
+    # the CPU the sum is sequential and this changes nothing).
+    cdf = probs.cumsum(dim=-1).masked_fill(probs == 0, 0).cummax(dim=-1).values
     draw = torch.rand(cdf.shape[0], 1, device=cdf.device, dtype=cdf.dtype, generator=generator)
     u = (1 - draw) * cdf[:, -1:]
     return torch.searchsorted(cdf, u).squeeze(1)

@@ -253,17 +253,18 @@ class MADPOTrainer(MAGRPOTrainer):
     def _cached(
         self, indices: Sequence[int]
     ) -> tuple[list[Generation | None], torch.Tensor, list[Any] | None]:
-        """The cached candidates of dataset items ``indices``, stacked as one step's batch."""
+        """The cached candidates of dataset items ``indices``, stacked as one step's batch on each agent's device
+        (a resumed cache was loaded onto the CPU)."""
         parts = [self.candidates[j] for j in indices]  # type: ignore[index]
         generations: list[Generation | None] = [None] * self.num_agents
         for i in self.local:
             generations[i] = concat_generations(
                 [p["generations"][i] for p in parts], self.team[i].tokenizer.pad_token_id
-            )
+            ).to(self.team[i].device)
         ref = None
         if self.args.dpo_reference == "initial":
             ref = [
-                torch.cat([p["ref"][i] for p in parts]) if i in self.local else None
+                torch.cat([p["ref"][i] for p in parts]).to(self.team[i].device) if i in self.local else None
                 for i in range(self.num_agents)
             ]
         return generations, torch.stack([p["rewards"] for p in parts]), ref
