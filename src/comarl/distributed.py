@@ -278,10 +278,10 @@ def finish(exit_code: int = 0) -> NoReturn:
 
     Why not a normal exit: it could abort a finished run ("terminate called without an active exception", exit
     -6). Once ``torch._dynamo`` is imported (FSDP2 and transformers import it), the gloo group's worker threads
-    outlive ``destroy_process_group`` and are torn down during the interpreter's finalization, where a thread that
-    touches Python is stopped by ``pthread_exit`` (through C++ frames: ``std::terminate``). ``os._exit`` skips that
-    teardown. atexit handlers do not run: call it last, after the trainer has closed its trackers (``train()``
-    does). ``comarl train`` calls it under torchrun.
+    outlive ``destroy_process_group`` and are torn down during the interpreter's finalization, where (most likely)
+    a thread that touches Python is stopped by ``pthread_exit`` (through C++ frames: ``std::terminate``).
+    ``os._exit`` skips that teardown. atexit handlers do not run: call it last, after the trainer has closed its
+    trackers (``train()`` does). ``comarl train`` calls it under torchrun.
     """
     import torch.distributed as dist
 
