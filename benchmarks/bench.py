@@ -347,7 +347,7 @@ def run_case(
     threads: int,
     prompts: int | None,
     timeout: float,
-    device: str = "cpu",
+    device: str,
 ) -> dict[str, Any]:
     """Run one case in a fresh process and return its RESULT line as a dict."""
     launcher = [str(python)]

@@ -257,7 +257,7 @@ def _process_group(launch_hint: str) -> Any:
             raise ConfigError(f"{launch_hint} (or initialise torch.distributed yourself)")
         backend = _backend(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
         if backend == "nccl":  # NCCL's object gathers stage through the current device: one GPU per rank
-            torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", os.environ["RANK"])))
+            torch.cuda.set_device(local_gpu(int(os.environ["RANK"])))
         dist.init_process_group(backend=backend)
         # A group left open hangs the interpreter's exit (gloo); the group we opened we also close.
         atexit.register(_close_process_group)
