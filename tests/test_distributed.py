@@ -509,12 +509,42 @@ def test_data_shards_scale_advantages_by_the_whole_batch(qwen_bpe):
 
 
 def test_backend_counts_the_gpus_of_this_machine(monkeypatch):
-    """2 nodes x 8 GPUs: 16 processes, 8 on each node, each with a GPU: NCCL (gloo would put every FSDP2 shard on
-    cuda:0); more processes on a node than its GPUs: gloo."""
+    """2 nodes x 8 GPUs: 16 processes, 8 on each node, each with a GPU: NCCL; more processes on a node than its
+    GPUs: gloo. Agents on the CPU of a GPU machine: gloo (NCCL cannot sum CPU gradients)."""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
-    assert comarl.distributed._backend(8) == "nccl"
-    assert comarl.distributed._backend(9) == "gloo"
+    assert comarl.distributed._backend(8, on_gpus=True) == "nccl"
+    assert comarl.distributed._backend(9, on_gpus=True) == "gloo"
+    assert comarl.distributed._backend(8, on_gpus=False) == "gloo"
+
+
+@pytest.mark.parametrize("devices, backend", [("cpu", "gloo"), ("cuda", "nccl")])
+def test_the_agents_devices_choose_the_backend(qwen_bpe, monkeypatch, devices, backend):
+    """On a machine with a GPU per process, agents trained on the CPU get gloo and no CUDA device is bound;
+    agents on GPUs get NCCL, each process bound to its own GPU. (The group is not really opened: the
+    trainer stops at init_process_group.)"""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    bound, opened = [], []
+    monkeypatch.setattr(torch.cuda, "set_device", bound.append)
+
+    def init_process_group(backend):
+        opened.append(backend)
+        raise RuntimeError("stop before any process group opens")
+
+    monkeypatch.setattr(torch.distributed, "init_process_group", init_process_group)
+    for key, value in {"RANK": "1", "LOCAL_RANK": "1", "WORLD_SIZE": "2", "LOCAL_WORLD_SIZE": "2"}.items():
+        monkeypatch.setenv(key, value)
+    with pytest.raises(RuntimeError, match="stop before any process group opens"):
+        MAREINFORCETrainer(
+            model=qwen_bpe,
+            num_agents=2,
+            train_dataset=DATA,
+            reward_func=two_word_reward,
+            args=MAREINFORCEConfig(**run_args(agent_parallel=True, agent_devices=devices)),
+        )
+    assert opened == [backend]
+    assert bound == ([] if devices == "cpu" else ["cuda:1"])
 
 
 def test_processes_outnumbering_the_gpus_share_them(monkeypatch):

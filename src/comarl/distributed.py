@@ -205,10 +205,11 @@ def _is_shard(tensor: torch.Tensor) -> bool:
 
 
 def launch(
-    num_agents: int, agent_parallel: bool, data_parallel: bool
+    num_agents: int, agent_parallel: bool, data_parallel: bool, on_gpus: bool
 ) -> tuple[AgentParallel | None, DataParallel | None, Processes | None]:
     """``(agents, shards, everyone)``: this process's :class:`AgentParallel`, :class:`DataParallel` and all the run's
-    processes, each None when that mode is off (all three None in a single-process run).
+    processes, each None when that mode is off (all three None in a single-process run). ``on_gpus``: whether any
+    agent trains on a GPU (it picks the backend, see :func:`_backend`).
 
     Both modes together form a grid of ``num_agents x D`` processes: global rank ``d * num_agents + i`` trains
     agent ``i`` on data shard ``d``; the processes of shard d play episodes together, those of agent i sum
@@ -221,7 +222,7 @@ def launch(
         hint = f"agent_parallel=True needs one process per agent: launch with `torchrun --nproc-per-node={num_agents} ...`"
     else:
         hint = "data_parallel=True needs its processes: launch with `torchrun --nproc-per-node=N ...`"
-    dist = _process_group(hint)
+    dist = _process_group(hint, on_gpus)
     world, rank = dist.get_world_size(), dist.get_rank()
     if agent_parallel and not data_parallel and world != num_agents:
         raise ConfigError(
@@ -248,15 +249,17 @@ def launch(
     return agents, data, Processes(dist, rank, world)
 
 
-def _process_group(launch_hint: str) -> Any:
-    """``torch.distributed``, with the default process group initialised from torchrun's environment."""
+def _process_group(launch_hint: str, on_gpus: bool = False) -> Any:
+    """``torch.distributed``, with the default process group initialised from torchrun's environment; with
+    ``on_gpus``, this process's GPU (:func:`local_gpu`) made the current CUDA device."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise ConfigError(f"{launch_hint} (or initialise torch.distributed yourself)")
-        backend = _backend(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])))
-        if backend == "nccl":  # NCCL's object gathers stage through the current device: one GPU per rank
+        backend = _backend(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])), on_gpus)
+        if on_gpus and torch.cuda.is_available():
+            # NCCL's object gathers stage through the current device, and FSDP2 places its shards there (gloo too).
             torch.cuda.set_device(local_gpu(int(os.environ["RANK"])))
         dist.init_process_group(backend=backend)
         # A group left open hangs the interpreter's exit (gloo); the group we opened we also close.
@@ -293,11 +296,16 @@ def finish(exit_code: int = 0) -> NoReturn:
     os._exit(exit_code)
 
 
-def _backend(processes_here: int) -> str:
-    """NCCL when each of the ``processes_here`` processes on this machine (torchrun's LOCAL_WORLD_SIZE; on several
-    nodes the world is larger) has a GPU of its own; else gloo (CPU, or processes sharing a GPU — only token ids
-    and texts cross processes, through the CPU either way)."""
-    return "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= processes_here else "gloo"
+def _backend(processes_here: int, on_gpus: bool) -> str:
+    """NCCL when the agents train on GPUs (``on_gpus``) and each of the ``processes_here`` processes on this machine
+    (torchrun's LOCAL_WORLD_SIZE; on several nodes the world is larger) has a GPU of its own; else gloo (agents on
+    the CPU, whose gradients NCCL cannot sum, or processes sharing a GPU; only token ids and texts cross processes,
+    through the CPU either way)."""
+    return (
+        "nccl"
+        if on_gpus and torch.cuda.is_available() and torch.cuda.device_count() >= processes_here
+        else "gloo"
+    )
 
 
 def save_own_model(model: Any, path: Any, state_dict: dict[str, torch.Tensor] | None = None) -> None:

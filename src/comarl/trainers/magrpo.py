@@ -142,7 +142,12 @@ class MAGRPOTrainer:
         # Agent parallelism: this process loads and trains one agent; the others are RemoteAgents here. Data
         # parallelism: every process holds the whole team (with agent parallelism too: its agent) and takes a shard
         # of each step's prompts. Both together: a grid, one process per agent and shard.
-        self.parallel, self.data, self.processes = launch(n, args.agent_parallel, args.data_parallel)
+        self.parallel, self.data, self.processes = launch(
+            n,
+            args.agent_parallel,
+            args.data_parallel,
+            on_gpus=any(str(d).startswith("cuda") for d in devices),
+        )
         self.local = [self.parallel.rank] if self.parallel is not None else list(range(n))
         if self.processes is not None and self.processes.rank > 0:
             # Agents sample from their own generators (below); the processes' global torch streams differ too, so
