@@ -660,6 +660,7 @@ class MAGRPOTrainer:
                     "optimizer": optimizer_state(self.optimizers[i]),
                     "scheduler": self.schedulers[i].state_dict(),
                     "sampling": self.team[i].generator.get_state(),
+                    "sampling_device": self.team[i].generator.device.type,
                 }
                 for i in self.local
             },
@@ -674,6 +675,14 @@ class MAGRPOTrainer:
                 f"{self.local}; resume with the same launch (agent_parallel and process count)"
             )
         for i, part in state["agents"].items():
+            here = self.team[i].generator.device.type
+            if part.get("sampling_device", here) != here:
+                # A CPU stream's state is not a CUDA stream's (5056 bytes against 16): it cannot continue there.
+                raise ConfigError(
+                    f"resume_from_checkpoint: agent {i} sampled on {part['sampling_device']} when the checkpoint was "
+                    f"written and is on {here} now; resume with the same kind of device (agent_devices), or start a "
+                    "new run from the saved agents (save_model's agent_i folders)"
+                )
             self.team[i].model.load_state_dict(part["model"])
             load_optimizer_state(self.optimizers[i], part["optimizer"])
             self.schedulers[i].load_state_dict(part["scheduler"])
