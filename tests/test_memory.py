@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import socket
 from types import SimpleNamespace
 
 import pytest
@@ -10,7 +11,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from comarl import ConfigError, MAGRPOConfig, MAGRPOTrainer, MAPPOConfig, MAPPOTrainer
-from comarl.memory import GIB, ModelSize, check_fits, model_memory, model_size
+from comarl.memory import GIB, ModelSize, check_fits, model_memory, model_size, on_this_machine
 
 DATA = [{"prompt": p} for p in ("def add(a, b):", "the agents meet at")]
 
@@ -226,3 +227,60 @@ def test_data_shards_are_told_to_shard_the_optimizer_and_the_plan_counts_the_sha
     trainable = model_size(qwen_bpe).trainable
     assert plan["agent 0"].optimizer == 8 * trainable
     assert sharded["agent 0"].optimizer == -(-8 * trainable // 4)
+
+
+def test_bf16_counts_the_weight_copies_autocast_keeps():
+    """Autocast caches a bf16 copy (2 bytes) of every weight that requires gradients: all of a fully fine-tuned
+    or frozen model's, a LoRA model's adapters only; nothing for an agent that holds another's model."""
+    assert model_memory("agent 0", "cpu", ModelSize(1000, 1000), bf16=True).autocast == 2000
+    assert model_memory("agent 0", "cpu", ModelSize(1000, 1000), bf16=True).total == 16000 + 2000
+    assert model_memory("agent 0", "cpu", ModelSize(1000, 1000), trains=False, bf16=True).total == 4000 + 2000
+    assert model_memory("agent 0", "cpu", ModelSize(1100, 100), bf16=True).autocast == 200
+    assert model_memory("agent 1", "cpu", ModelSize(1100, 100), owns_weights=False, bf16=True).autocast == 200
+    shared = model_memory(
+        "agent 1", "cpu", ModelSize(1000, 1000), owns_weights=False, trains=False, bf16=True
+    )
+    assert shared.total == 0
+    assert model_memory("agent 0", "cpu", ModelSize(1000, 1000)).autocast == 0  # fp32
+
+
+def test_the_trainer_plans_autocast_copies_under_bf16(qwen_bpe):
+    plan, _ = plan_of(MAGRPOTrainer, qwen_bpe, args(bf16=True))
+    assert plan["agent 0"].autocast == 2 * model_size(qwen_bpe).parameters
+
+
+def test_processes_of_one_machine_check_all_their_models():
+    """Two processes on one machine put an agent each on its one GPU, a third process is on another machine: each
+    of the first two checks both agents (each alone fits in 20 GiB, together they do not), named by process."""
+    agent = ModelSize(GIB, GIB)  # 16 GiB to train
+    parts = [
+        ("node-a", [model_memory("agent 0", "cuda:0", agent)]),
+        ("node-a", [model_memory("agent 1", "cuda:0", agent)]),
+        ("node-b", [model_memory("agent 0", "cuda:0", agent)]),
+    ]
+    seen = on_this_machine(parts, rank=1)
+    assert [m.name for m in seen] == ["agent 0 (process 0)", "agent 1"]
+    assert on_this_machine(parts, rank=2) == parts[2][1]
+    check_fits(parts[1][1], {"cuda:0": 20 * GIB}, [])  # alone it fits
+    with pytest.raises(
+        ConfigError,
+        match=r"the team does not fit on cuda:0: it needs at least 32.0 GiB .*agent 0 "
+        r"\(process 0\): weights 4.0",
+    ):
+        check_fits(seen, {"cuda:0": 20 * GIB}, [])
+
+
+def test_the_trainer_checks_what_every_process_of_its_machine_plans(qwen_bpe):
+    """The trainer gathers every process's plan (stood in for: a second process on this machine planning a model
+    larger than this machine's memory) and stops with it named."""
+    plan, trainer = plan_of(MAGRPOTrainer, qwen_bpe, args())
+    huge = model_memory("agent 1", "cpu", ModelSize(2**40, 2**40))
+    trainer.processes = SimpleNamespace(rank=0, gather=lambda mine: [mine, (socket.gethostname(), [huge])])
+    with pytest.raises(
+        ConfigError, match=r"the team does not fit on cpu: .*agent 1 \(process 1\): weights 4096.0"
+    ):
+        trainer._check_memory([qwen_bpe] * 2, ["cpu"] * 2)
+    trainer.processes = SimpleNamespace(rank=0, gather=lambda mine: [mine, ("another-machine", [huge])])
+    assert trainer._check_memory([qwen_bpe] * 2, ["cpu"] * 2).startswith(
+        "static training memory (before activations): cpu "
+    )

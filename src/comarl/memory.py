@@ -1,17 +1,19 @@
 """Will the team fit? The static training memory of every device, estimated before any weights load.
 
 Training keeps, per agent: fp32 weights (the AdamW master copy), a fp32 gradient and AdamW's two
-fp32 moments for every trainable parameter, and, with ``beta > 0`` and no LoRA, a frozen fp32
-copy of the starting weights as the KL reference. Parameters are counted on the meta device
-(the model's config is read, never its weights). Activations, the KV cache of generation and
-autocast's bf16 weight copies come on top, so a device whose free memory is below this static
-total cannot train the team, and the run stops before loading anything.
+fp32 moments for every trainable parameter, with ``beta > 0`` and no LoRA a frozen fp32 copy of
+the starting weights as the KL reference, and with ``bf16=True`` the bf16 copies of the weights that
+autocast keeps while a forward runs. Parameters are counted on the meta device (the model's config is
+read, never its weights). Activations and the KV cache of generation come on top, so a device whose
+free memory is below this static total cannot train the team, and the run stops before loading
+anything. Processes of one machine share its memory and its GPUs: each checks the models of all of
+them on its devices (:func:`on_this_machine`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -36,9 +38,11 @@ class ModelMemory:
 
     ``weights = 4 P`` (P parameters, fp32; only the adapters' for an agent that shares another's base),
     ``gradients = 4 T`` and ``optimizer = 8 T`` (T trainable parameters; AdamW's two moments),
-    ``reference = 4 P`` (the KL reference copy, kept only for full fine-tuning). A model split among D
-    processes (``shard_weights``) holds each of these / D, and ``gathered = 4 P``: its whole weights, assembled
-    for every generate call.
+    ``reference = 4 P`` (the KL reference copy, kept only for full fine-tuning), ``autocast = 2 W`` under bf16
+    autocast, which caches a bf16 copy of every weight that requires gradients while a forward runs (W: all P
+    weights of a fully fine-tuned or frozen model, only the adapters of a LoRA one, whose frozen base is cast a
+    layer at a time). A model split among D processes (``shard_weights``) holds each of these / D, and
+    ``gathered = 4 P``: its whole weights, assembled for every generate call.
     """
 
     name: str
@@ -48,10 +52,11 @@ class ModelMemory:
     optimizer: int
     reference: int
     gathered: int = 0
+    autocast: int = 0
 
     @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.reference + self.gathered
+        return self.weights + self.gradients + self.optimizer + self.reference + self.gathered + self.autocast
 
 
 def model_size(
@@ -96,12 +101,14 @@ def model_memory(
     reference: bool = False,
     optimizer_shards: int = 1,
     weight_shards: int = 1,
+    bf16: bool = False,
 ) -> ModelMemory:
     """The bytes of one model: see :class:`ModelMemory`. ``trains=False``: frozen (no gradients or optimizer
     state); ``owns_weights=False``: the base weights are another agent's (a shared LoRA base: only its own
     adapters count; one shared model: nothing); ``reference``: a frozen copy of the weights is kept;
     ``optimizer_shards``: the processes that share its AdamW state (``shard_optimizer``), each holding a share;
-    ``weight_shards``: the processes among which the whole model is split (``shard_weights``)."""
+    ``weight_shards``: the processes among which the whole model is split (``shard_weights``); ``bf16``: its
+    forwards run under bf16 autocast."""
     trainable = size.trainable if trains else 0
     D = weight_shards
 
@@ -116,7 +123,22 @@ def model_memory(
         optimizer=share(-(-8 * trainable // optimizer_shards)),
         reference=share(4 * size.parameters) if reference else 0,
         gathered=4 * size.parameters if D > 1 else 0,
+        # size.trainable: the weights that require gradients, trained or not (a frozen agent's still do).
+        autocast=share(2 * size.trainable) if bf16 and (owns_weights or trains) else 0,
     )
+
+
+def on_this_machine(parts: Sequence[tuple[str, Sequence[ModelMemory]]], rank: int) -> list[ModelMemory]:
+    """The models that every process of a run places on the machine of process ``rank``: ``parts[r]`` is process
+    r's ``(host name, its plan)``. Processes of one machine share its memory and GPUs, so each must check them all
+    (each alone would see its own models fit). The other processes' models are named with their rank."""
+    host = parts[rank][0]
+    return [
+        m if r == rank else replace(m, name=f"{m.name} (process {r})")
+        for r, (their_host, plan) in enumerate(parts)
+        if their_host == host
+        for m in plan
+    ]
 
 
 def free_memory(device: str) -> int | None:
@@ -168,6 +190,7 @@ def check_fits(plan: Sequence[ModelMemory], free: dict[str, int | None], fixes: 
             f"{m.name}: weights {m.weights / GIB:.1f}, gradients {m.gradients / GIB:.1f}, "
             f"AdamW states {m.optimizer / GIB:.1f}, KL reference {m.reference / GIB:.1f}"
             + (f", whole weights while generating {m.gathered / GIB:.1f}" if m.gathered else "")
+            + (f", bf16 autocast copies {m.autocast / GIB:.1f}" if m.autocast else "")
             for m in on_device
         )
         raise ConfigError(

@@ -130,10 +130,13 @@ class ActorCriticTrainer(MAGRPOTrainer):
         if a.centralized_critic:
             size = model_size(a.critic_model or members[0], lm_head=False) if 0 in self.local else None
             if size is not None:
-                plan.append(model_memory("centralized critic", devices[0], size, optimizer_shards=shards))
+                plan.append(
+                    model_memory("centralized critic", devices[0], size, optimizer_shards=shards, bf16=a.bf16)
+                )
         elif a.critic_model is not None and (size := model_size(a.critic_model, lm_head=False)) is not None:
             plan += [
-                model_memory(f"critic {i}", devices[i], size, optimizer_shards=shards) for i in self.local
+                model_memory(f"critic {i}", devices[i], size, optimizer_shards=shards, bf16=a.bf16)
+                for i in self.local
             ]
         return plan
 

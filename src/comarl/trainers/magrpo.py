@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import math
 import random
+import socket
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -39,7 +40,16 @@ from comarl.distributed import (
 )
 from comarl.engines import Generation, HFEngine, SamplingParams, bf16_autocast
 from comarl.envs import Env, FunctionEnv, comlrl_transition
-from comarl.memory import ModelMemory, ModelSize, check_fits, free_memory, model_memory, model_size, summary
+from comarl.memory import (
+    ModelMemory,
+    ModelSize,
+    check_fits,
+    free_memory,
+    model_memory,
+    model_size,
+    on_this_machine,
+    summary,
+)
 from comarl.rollout import Rollout, collect, greedy_returns, with_rewards
 
 
@@ -168,10 +178,7 @@ class MAGRPOTrainer:
         # its numbers when training starts.
         self.memory_summary: str | None = None
         if args.check_memory:
-            plan = self._memory_plan(members, devices)
-            free = {d: free_memory(d) for d in {m.device for m in plan}}
-            check_fits(plan, free, self._memory_fixes(members, devices))
-            self.memory_summary = summary(plan, free) if plan else None
+            self.memory_summary = self._check_memory(members, devices)
         if args.lora_shared_base:
             self.team = Team(_shared_base_agents(members, tokenizer, devices, model_config, args))
         elif args.share_weights:
@@ -257,6 +264,16 @@ class MAGRPOTrainer:
         its LoRA adapters."""
         return self.args.beta > 0
 
+    def _check_memory(self, members: Sequence[Any], devices: Sequence[str]) -> str | None:
+        """Stop with the numbers when the models this machine's processes plan on a device need more than it has
+        free; else the plan's one-line summary (None when nothing is planned)."""
+        plan = self._memory_plan(members, devices)
+        if self.processes is not None:  # every process of a machine plans what all of them put there
+            plan = on_this_machine(self.processes.gather((socket.gethostname(), plan)), self.processes.rank)
+        free = {d: free_memory(d) for d in {m.device for m in plan}}
+        check_fits(plan, free, self._memory_fixes(members, devices))
+        return summary(plan, free) if plan else None
+
     def _memory_plan(self, members: Sequence[Any], devices: Sequence[str]) -> list[ModelMemory]:
         """The static memory of the agents this process loads from a hub id or path (objects are already loaded)."""
         a = self.args
@@ -285,6 +302,7 @@ class MAGRPOTrainer:
                     reference=self._keeps_reference() and lora is None and trains,
                     optimizer_shards=1 if a.shard_weights else self._optimizer_shards(self.data),
                     weight_shards=self.data.world_size if a.shard_weights else 1,
+                    bf16=a.bf16,
                 )
             )
         return plan
