@@ -217,7 +217,8 @@ class MADPOTrainer(MAGRPOTrainer):
         """Every training item's candidates from the initial team, with their team rewards and (dpo_reference
         'initial') each agent's log-probs of them, the reference for the whole run. Under data parallelism each
         process samples every world_size-th item, as many per call as in a training step, and then every process
-        holds them all."""
+        holds them all. The cache stays on the CPU (the whole training set's ids, outside the agents' device memory);
+        :meth:`_cached` moves each step's share to the agents."""
         args, K, size = self.args, self.args.num_generations, len(self.train_dataset)
         cache: dict[int, dict[str, Any]] = {}
         seconds = 0.0
@@ -236,25 +237,22 @@ class MADPOTrainer(MAGRPOTrainer):
             for b, j in enumerate(chunk):
                 block = slice(b * K, (b + 1) * K)
                 cache[j] = {
-                    "generations": {i: _trimmed(_rows(rollout.generations[i], block)) for i in self.local},
-                    "rewards": team_rewards[b],
+                    "generations": {
+                        i: _trimmed(_rows(rollout.generations[i], block)).to("cpu") for i in self.local
+                    },
+                    "rewards": team_rewards[b].cpu(),
                     "ref": {i: r[block] for i, r in ref.items()},
                 }
-        if self.data is not None:  # every process's items; the generations travel on the CPU
-
-            def moved(entry: dict[str, Any], device: Any = None) -> dict[str, Any]:
-                gens = {i: g.to(device or self.team[i].device) for i, g in entry["generations"].items()}
-                return {**entry, "generations": gens}
-
-            for part in self.data.gather({j: moved(c, "cpu") for j, c in cache.items()}):
-                cache.update({j: moved(c) for j, c in part.items() if j not in cache})
+        if self.data is not None:  # every process's items
+            for part in self.data.gather(cache):
+                cache.update({j: c for j, c in part.items() if j not in cache})
         return [cache[j] for j in range(size)], seconds
 
     def _cached(
         self, indices: Sequence[int]
     ) -> tuple[list[Generation | None], torch.Tensor, list[Any] | None]:
-        """The cached candidates of dataset items ``indices``, stacked as one step's batch on each agent's device
-        (a resumed cache was loaded onto the CPU)."""
+        """The cached candidates of dataset items ``indices`` (on the CPU), stacked as one step's batch on each
+        agent's device."""
         parts = [self.candidates[j] for j in indices]  # type: ignore[index]
         generations: list[Generation | None] = [None] * self.num_agents
         for i in self.local:
