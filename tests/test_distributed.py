@@ -547,6 +547,33 @@ def test_the_agents_devices_choose_the_backend(qwen_bpe, monkeypatch, devices, b
     assert bound == ([] if devices == "cpu" else ["cuda:1"])
 
 
+def test_shard_weights_on_shared_gpus_is_refused(qwen_bpe, monkeypatch):
+    """Two data shards sharing one GPU get gloo, which cannot all-gather CUDA tensors: FSDP2 could not run, and the
+    trainer says so before loading anything (a process group already opened as gloo stands in for the launch)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    with pytest.raises(
+        ConfigError,
+        match=r"shard_weights=True with agents on GPUs needs the NCCL backend, one GPU per process; this run has "
+        r"gloo \(1 GPUs for 2 processes on this machine\). Launch at most one process per GPU, or set "
+        r"shard_weights=False",
+    ):
+        MAREINFORCETrainer(
+            model=qwen_bpe,
+            num_agents=2,
+            train_dataset=DATA,
+            reward_func=two_word_reward,
+            args=MAREINFORCEConfig(
+                **run_args(data_parallel=True, shard_weights=True, agent_devices="cuda", prompts_per_step=2)
+            ),
+        )
+
+
 def test_processes_outnumbering_the_gpus_share_them(monkeypatch):
     """Two processes on a one-GPU machine (gloo) both train on cuda:0, not on a cuda:1 that does not exist."""
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)

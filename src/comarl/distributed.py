@@ -205,11 +205,12 @@ def _is_shard(tensor: torch.Tensor) -> bool:
 
 
 def launch(
-    num_agents: int, agent_parallel: bool, data_parallel: bool, on_gpus: bool
+    num_agents: int, agent_parallel: bool, data_parallel: bool, on_gpus: bool, shard_weights: bool = False
 ) -> tuple[AgentParallel | None, DataParallel | None, Processes | None]:
     """``(agents, shards, everyone)``: this process's :class:`AgentParallel`, :class:`DataParallel` and all the run's
     processes, each None when that mode is off (all three None in a single-process run). ``on_gpus``: whether any
-    agent trains on a GPU (it picks the backend, see :func:`_backend`).
+    agent trains on a GPU (it picks the backend, see :func:`_backend`); ``shard_weights``: whether FSDP2 will split
+    the agents, which on GPUs needs NCCL.
 
     Both modes together form a grid of ``num_agents x D`` processes: global rank ``d * num_agents + i`` trains
     agent ``i`` on data shard ``d``; the processes of shard d play episodes together, those of agent i sum
@@ -224,6 +225,14 @@ def launch(
         hint = "data_parallel=True needs its processes: launch with `torchrun --nproc-per-node=N ...`"
     dist = _process_group(hint, on_gpus)
     world, rank = dist.get_world_size(), dist.get_rank()
+    if shard_weights and on_gpus and dist.get_backend() != "nccl":
+        # gloo has no all-gather or reduce-scatter of CUDA tensors, FSDP2's two collectives.
+        raise ConfigError(
+            f"shard_weights=True with agents on GPUs needs the NCCL backend, one GPU per process; this run has "
+            f"{dist.get_backend()} ({torch.cuda.device_count()} GPUs for "
+            f"{os.environ.get('LOCAL_WORLD_SIZE', world)} processes on this machine). Launch at most one process "
+            "per GPU, or set shard_weights=False (shard_optimizer=True still splits AdamW's state)"
+        )
     if agent_parallel and not data_parallel and world != num_agents:
         raise ConfigError(
             f"agent_parallel=True: the world has {world} processes for {num_agents} agents; "
@@ -259,7 +268,7 @@ def _process_group(launch_hint: str, on_gpus: bool = False) -> Any:
             raise ConfigError(f"{launch_hint} (or initialise torch.distributed yourself)")
         backend = _backend(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])), on_gpus)
         if on_gpus and torch.cuda.is_available():
-            # NCCL's object gathers stage through the current device, and FSDP2 places its shards there (gloo too).
+            # NCCL's object gathers stage through the current device; FSDP2 and CUDA's defaults use it too.
             torch.cuda.set_device(local_gpu(int(os.environ["RANK"])))
         dist.init_process_group(backend=backend)
         # A group left open hangs the interpreter's exit (gloo); the group we opened we also close.

@@ -157,6 +157,7 @@ class MAGRPOTrainer:
             args.agent_parallel,
             args.data_parallel,
             on_gpus=any(str(d).startswith("cuda") for d in devices),
+            shard_weights=args.shard_weights,
         )
         self.local = [self.parallel.rank] if self.parallel is not None else list(range(n))
         if self.processes is not None and self.processes.rank > 0:
