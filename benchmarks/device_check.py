@@ -12,7 +12,10 @@ device machine needs no network. The checks:
    generation and the update both ran in bf16, and the memory check read the device's free memory;
 3. ``demo``: the demo game for 200 steps on the device (as its CPU learning test); greedy joint success ≥ 0.9;
 4. ``agent_parallel``: two processes (torchrun, one agent each, sharing the device when there is one
-   GPU) train what one process trains on a heterogeneous team.
+   GPU) train what one process trains on a heterogeneous team;
+5. ``resume``: a run stopped after its checkpoint and resumed on the device ends with the weights of the
+   unbroken run (to 1e-5: CUDA's embedding backward adds in no fixed order), and on a GPU the same checkpoint
+   resumed with the agents on the CPU stops with the ConfigError that names the device.
 """
 
 from __future__ import annotations
@@ -133,11 +136,83 @@ def check_agent_parallel(device: str, base: Path) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
+def check_resume(device: str, base: Path) -> str:
+    from comarl import ConfigError, MAGRPOConfig, MAGRPOTrainer
+    from comarl.tiny import tiny_model
+
+    path = tiny_model(base / "qwen_resume", kind="bpe", arch="qwen2", seed=0)
+    data = [{"prompt": p} for p in ("def add(a, b):", "alice and bob", "the agents meet at", "return a + b")]
+
+    def reward(crash_at: int | None):  # noqa: ANN202
+        calls = [0]
+
+        def length_reward(a, b):  # noqa: ANN001, ANN202
+            calls[0] += 1
+            if calls[0] == crash_at:
+                raise RuntimeError("the machine went away")
+            return [len(x) / 10 - len(y) / 20 for x, y in zip(a, b)]
+
+        return length_reward
+
+    def trainer(out: Path, crash_at: int | None = None, on: str = device) -> MAGRPOTrainer:
+        return MAGRPOTrainer(
+            model=str(path),
+            num_agents=2,
+            train_dataset=data,
+            reward_func=reward(crash_at),
+            args=MAGRPOConfig(
+                max_steps=4,
+                save_steps=2,
+                prompts_per_step=2,
+                num_generations=3,
+                max_new_tokens=6,
+                learning_rate=1e-3,
+                beta=0.05,
+                agent_devices=on,
+                output_dir=str(out),
+                progress_bar=False,
+                reward_call="batched",
+                seed=11,
+            ),
+        )
+
+    unbroken = trainer(base / "unbroken")
+    unbroken.train()
+    try:
+        trainer(base / "stopped", crash_at=3).train()  # steps 1-2 and the checkpoint at 2; dies in step 3
+    except RuntimeError as error:
+        if "went away" not in str(error):
+            raise
+    resumed = trainer(base / "stopped")
+    resumed.train(resume_from_checkpoint=True)
+    worst = max(
+        float((p - q).abs().max())
+        for a, b in zip(unbroken.team, resumed.team)
+        for p, q in zip(a.model.parameters(), b.model.parameters())
+    )
+    if worst > 1e-5:
+        raise AssertionError(f"resumed weights differ from the unbroken run's by up to {worst:.2e}")
+    detail = f"resumed = unbroken to {worst:.1e}"
+    if device.startswith("cuda"):
+        try:
+            trainer(base / "stopped", on="cpu").train(
+                resume_from_checkpoint=base / "stopped" / "checkpoints" / "step_2"
+            )
+        except ConfigError as error:
+            if "sampled on cuda when the checkpoint was written and is on cpu now" not in str(error):
+                raise
+            detail += "; on the CPU: the ConfigError"
+        else:
+            raise AssertionError("a GPU checkpoint resumed on the CPU did not stop")
+    return detail
+
+
 CHECKS = {
     "decode": check_decode,
     "bf16_step": check_bf16_step,
     "demo": check_demo,
     "agent_parallel": check_agent_parallel,
+    "resume": check_resume,
 }
 
 
