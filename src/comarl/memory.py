@@ -78,6 +78,9 @@ def model_size(
         config = AutoConfig.from_pretrained(str(source))
         with torch.device("meta"):
             model = (AutoModelForCausalLM if lm_head else AutoModel).from_config(config)
+        # Tied embeddings are one parameter, as in the loaded model (transformers 5.0 ties them only
+        # when weights load, so a model built from its config would count its LM head twice).
+        model.tie_weights()
         if lora is not None:
             from comarl.agents import add_lora
 
