@@ -11,7 +11,15 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from comarl import ConfigError, MAGRPOConfig, MAGRPOTrainer, MAPPOConfig, MAPPOTrainer
-from comarl.memory import GIB, ModelSize, check_fits, model_memory, model_size, on_this_machine
+from comarl.memory import (
+    GIB,
+    ModelSize,
+    check_fits,
+    device_identity,
+    model_memory,
+    model_size,
+    sharing_devices,
+)
 
 DATA = [{"prompt": p} for p in ("def add(a, b):", "the agents meet at")]
 
@@ -242,6 +250,8 @@ def test_bf16_counts_the_weight_copies_autocast_keeps():
     )
     assert shared.total == 0
     assert model_memory("agent 0", "cpu", ModelSize(1000, 1000)).autocast == 0  # fp32
+    # shard_weights: FSDP2 gathers whole weights that require gradients, and autocast caches whole casts
+    assert model_memory("agent 0", "cpu", ModelSize(1000, 1000), weight_shards=2, bf16=True).autocast == 2000
 
 
 def test_the_trainer_plans_autocast_copies_under_bf16(qwen_bpe):
@@ -249,38 +259,56 @@ def test_the_trainer_plans_autocast_copies_under_bf16(qwen_bpe):
     assert plan["agent 0"].autocast == 2 * model_size(qwen_bpe).parameters
 
 
-def test_processes_of_one_machine_check_all_their_models():
-    """Two processes on one machine put an agent each on its one GPU, a third process is on another machine: each
-    of the first two checks both agents (each alone fits in 20 GiB, together they do not), named by process."""
+def test_processes_sharing_a_device_check_all_its_models():
+    """Two processes put an agent each on one GPU, which the second numbers cuda:1 (its own CUDA_VISIBLE_DEVICES);
+    a third uses another GPU. Each of the first two checks both agents (each alone fits in 20 GiB, together they
+    do not), the other's named by its process and on this process's name of the GPU."""
     agent = ModelSize(GIB, GIB)  # 16 GiB to train
     parts = [
-        ("node-a", [model_memory("agent 0", "cuda:0", agent)]),
-        ("node-a", [model_memory("agent 1", "cuda:0", agent)]),
-        ("node-b", [model_memory("agent 0", "cuda:0", agent)]),
+        [("gpu A", model_memory("agent 0", "cuda:0", agent))],
+        [("gpu A", model_memory("agent 1", "cuda:1", agent))],
+        [("gpu B", model_memory("agent 0", "cuda:0", agent))],
     ]
-    seen = on_this_machine(parts, rank=1)
-    assert [m.name for m in seen] == ["agent 0 (process 0)", "agent 1"]
-    assert on_this_machine(parts, rank=2) == parts[2][1]
-    check_fits(parts[1][1], {"cuda:0": 20 * GIB}, [])  # alone it fits
+    seen = sharing_devices(parts, rank=1)
+    assert [(m.name, m.device) for m in seen] == [("agent 0 (process 0)", "cuda:1"), ("agent 1", "cuda:1")]
+    assert sharing_devices(parts, rank=2) == [parts[2][0][1]]
+    check_fits([parts[1][0][1]], {"cuda:1": 20 * GIB}, [])  # alone it fits
     with pytest.raises(
         ConfigError,
-        match=r"the team does not fit on cuda:0: it needs at least 32.0 GiB .*agent 0 "
-        r"\(process 0\): weights 4.0",
+        match=r"the team does not fit on cuda:1: it needs at least 32.0 GiB .*agent 0 \(process 0\): weights 4.0",
     ):
-        check_fits(seen, {"cuda:0": 20 * GIB}, [])
+        check_fits(seen, {"cuda:1": 20 * GIB}, [])
+    assert device_identity("cpu") == f"{socket.gethostname()} cpu"
 
 
-def test_the_trainer_checks_what_every_process_of_its_machine_plans(qwen_bpe):
-    """The trainer gathers every process's plan (stood in for: a second process on this machine planning a model
-    larger than this machine's memory) and stops with it named."""
-    plan, trainer = plan_of(MAGRPOTrainer, qwen_bpe, args())
+class _Processes:
+    """Two processes on this machine (stood in for): the other one plans ``theirs`` and reports ``their_error``."""
+
+    rank = 0
+
+    def __init__(self, theirs, their_error=None):
+        self.theirs, self.their_error = theirs, their_error
+
+    def gather(self, mine):
+        if isinstance(mine, list):  # the plans
+            return [mine, [(device_identity(m.device), m) for m in self.theirs]]
+        return [mine, self.their_error]  # the outcomes
+
+
+def test_the_trainer_checks_what_every_process_puts_on_its_devices(qwen_bpe):
+    """The trainer gathers every process's plan: a second process planning a model larger than this machine's
+    memory stops this one too, named; a process that fits stops when another process's check failed."""
+    _, trainer = plan_of(MAGRPOTrainer, qwen_bpe, args())
     huge = model_memory("agent 1", "cpu", ModelSize(2**40, 2**40))
-    trainer.processes = SimpleNamespace(rank=0, gather=lambda mine: [mine, (socket.gethostname(), [huge])])
+    trainer.processes = _Processes([huge])
     with pytest.raises(
         ConfigError, match=r"the team does not fit on cpu: .*agent 1 \(process 1\): weights 4096.0"
     ):
         trainer._check_memory([qwen_bpe] * 2, ["cpu"] * 2)
-    trainer.processes = SimpleNamespace(rank=0, gather=lambda mine: [mine, ("another-machine", [huge])])
+    trainer.processes = _Processes([], their_error="the team does not fit on cuda:0: ...")
+    with pytest.raises(ConfigError, match=r"^process 1: the team does not fit on cuda:0: \.\.\.$"):
+        trainer._check_memory([qwen_bpe] * 2, ["cpu"] * 2)
+    trainer.processes = _Processes([])
     assert trainer._check_memory([qwen_bpe] * 2, ["cpu"] * 2).startswith(
         "static training memory (before activations): cpu "
     )

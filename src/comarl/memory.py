@@ -6,12 +6,13 @@ the starting weights as the KL reference, and with ``bf16=True`` the bf16 copies
 autocast keeps while a forward runs. Parameters are counted on the meta device (the model's config is
 read, never its weights). Activations and the KV cache of generation come on top, so a device whose
 free memory is below this static total cannot train the team, and the run stops before loading
-anything. Processes of one machine share its memory and its GPUs: each checks the models of all of
-them on its devices (:func:`on_this_machine`).
+anything. Processes may share a device (a GPU, a machine's memory): each checks the models of all of
+them on its own devices (:func:`sharing_devices`).
 """
 
 from __future__ import annotations
 
+import socket
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -41,8 +42,9 @@ class ModelMemory:
     ``reference = 4 P`` (the KL reference copy, kept only for full fine-tuning), ``autocast = 2 W`` under bf16
     autocast, which caches a bf16 copy of every weight that requires gradients while a forward runs (W: all P
     weights of a fully fine-tuned or frozen model, only the adapters of a LoRA one, whose frozen base is cast a
-    layer at a time). A model split among D processes (``shard_weights``) holds each of these / D, and
-    ``gathered = 4 P``: its whole weights, assembled for every generate call.
+    layer at a time). A model split among D processes (``shard_weights``) holds each of these / D, except the
+    autocast copies of its gathered whole weights, and ``gathered = 4 P``: its whole weights, assembled for every
+    generate call.
     """
 
     name: str
@@ -126,21 +128,32 @@ def model_memory(
         optimizer=share(-(-8 * trainable // optimizer_shards)),
         reference=share(4 * size.parameters) if reference else 0,
         gathered=4 * size.parameters if D > 1 else 0,
-        # size.trainable: the weights that require gradients, trained or not (a frozen agent's still do).
-        autocast=share(2 * size.trainable) if bf16 and (owns_weights or trains) else 0,
+        # size.trainable: the weights that require gradients, trained or not (a frozen agent's still do). Not
+        # divided among shards: FSDP2 gathers whole weights that require gradients, and autocast caches their casts.
+        autocast=2 * size.trainable if bf16 and (owns_weights or trains) else 0,
     )
 
 
-def on_this_machine(parts: Sequence[tuple[str, Sequence[ModelMemory]]], rank: int) -> list[ModelMemory]:
-    """The models that every process of a run places on the machine of process ``rank``: ``parts[r]`` is process
-    r's ``(host name, its plan)``. Processes of one machine share its memory and GPUs, so each must check them all
-    (each alone would see its own models fit). The other processes' models are named with their rank."""
-    host = parts[rank][0]
+def device_identity(device: str) -> str:
+    """What names one physical device across processes: a GPU's UUID (each process may number its GPUs its own way,
+    e.g. under per-process ``CUDA_VISIBLE_DEVICES``), else the host name and the device (a machine's CPU memory)."""
+    dev = torch.device(device)
+    if dev.type == "cuda" and torch.cuda.is_available():
+        return f"gpu {torch.cuda.get_device_properties(dev).uuid}"
+    return f"{socket.gethostname()} {dev.type}"
+
+
+def sharing_devices(parts: Sequence[Sequence[tuple[str, ModelMemory]]], rank: int) -> list[ModelMemory]:
+    """The models that every process of a run places on the devices of process ``rank``: ``parts[r]`` is process
+    r's plan, each model with its device's :func:`device_identity`. Processes that share a device (a GPU, a
+    machine's memory) must each check all the models on it: each alone would see its own fit. Another process's
+    models are named with its rank and given this process's name of the device."""
+    here = {identity: m.device for identity, m in parts[rank]}
     return [
-        m if r == rank else replace(m, name=f"{m.name} (process {r})")
-        for r, (their_host, plan) in enumerate(parts)
-        if their_host == host
-        for m in plan
+        m if r == rank else replace(m, name=f"{m.name} (process {r})", device=here[identity])
+        for r, plan in enumerate(parts)
+        for identity, m in plan
+        if identity in here
     ]
 
 

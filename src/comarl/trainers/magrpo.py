@@ -16,7 +16,6 @@ from __future__ import annotations
 import copy
 import math
 import random
-import socket
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -44,10 +43,11 @@ from comarl.memory import (
     ModelMemory,
     ModelSize,
     check_fits,
+    device_identity,
     free_memory,
     model_memory,
     model_size,
-    on_this_machine,
+    sharing_devices,
     summary,
 )
 from comarl.rollout import Rollout, collect, greedy_returns, with_rewards
@@ -266,13 +266,29 @@ class MAGRPOTrainer:
         return self.args.beta > 0
 
     def _check_memory(self, members: Sequence[Any], devices: Sequence[str]) -> str | None:
-        """Stop with the numbers when the models this machine's processes plan on a device need more than it has
-        free; else the plan's one-line summary (None when nothing is planned)."""
+        """Stop with the numbers when the models that all processes plan on one of this process's devices need
+        more than it has free; else the plan's one-line summary (None when nothing is planned). Under torchrun
+        every process stops when any does (one that went on would wait for the others forever)."""
         plan = self._memory_plan(members, devices)
-        if self.processes is not None:  # every process of a machine plans what all of them put there
-            plan = on_this_machine(self.processes.gather((socket.gethostname(), plan)), self.processes.rank)
+        if self.processes is None:
+            free = {d: free_memory(d) for d in {m.device for m in plan}}
+            check_fits(plan, free, self._memory_fixes(members, devices))
+            return summary(plan, free) if plan else None
+        # Processes that share a device (a GPU, the host's memory) check it together.
+        mine = [(device_identity(m.device), m) for m in plan]
+        plan = sharing_devices(self.processes.gather(mine), self.processes.rank)
         free = {d: free_memory(d) for d in {m.device for m in plan}}
-        check_fits(plan, free, self._memory_fixes(members, devices))
+        failed = None
+        try:
+            check_fits(plan, free, self._memory_fixes(members, devices))
+        except ConfigError as error:
+            failed = str(error)
+        messages = self.processes.gather(failed)
+        if failed is not None:
+            raise ConfigError(failed)
+        for rank, message in enumerate(messages):
+            if message is not None:
+                raise ConfigError(f"process {rank}: {message}")
         return summary(plan, free) if plan else None
 
     def _memory_plan(self, members: Sequence[Any], devices: Sequence[str]) -> list[ModelMemory]:
