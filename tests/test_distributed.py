@@ -518,11 +518,16 @@ def test_backend_counts_the_gpus_of_this_machine(monkeypatch):
     assert comarl.distributed._backend(8, on_gpus=False) == "gloo"
 
 
-@pytest.mark.parametrize("devices, backend", [("cpu", "gloo"), ("cuda", "nccl")])
+@pytest.mark.parametrize(
+    "devices, backend",
+    [("cpu", "gloo"), ("cuda", "nccl"), (["cuda", "cpu"], "gloo")],
+    ids=["cpu", "gpu", "mixed"],
+)
 def test_the_agents_devices_choose_the_backend(qwen_bpe, monkeypatch, devices, backend):
     """On a machine with a GPU per process, agents trained on the CPU get gloo and no CUDA device is bound;
-    agents on GPUs get NCCL, each process bound to its own GPU. (The group is not really opened: the
-    trainer stops at init_process_group.)"""
+    agents on GPUs get NCCL, each process bound to its own GPU; a GPU agent beside a CPU one gets gloo (which NCCL's
+    CPU gradients need) and its GPU bound. (The group is not really opened: the trainer stops at
+    init_process_group.)"""
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
     bound, opened = [], []
@@ -544,7 +549,7 @@ def test_the_agents_devices_choose_the_backend(qwen_bpe, monkeypatch, devices, b
             args=MAREINFORCEConfig(**run_args(agent_parallel=True, agent_devices=devices)),
         )
     assert opened == [backend]
-    assert bound == ([] if devices == "cpu" else ["cuda:1"])
+    assert bound == ([] if devices == "cpu" else ["cuda:1"])  # LOCAL_RANK 1
 
 
 def test_shard_weights_on_shared_gpus_is_refused(qwen_bpe, monkeypatch):
@@ -553,15 +558,15 @@ def test_shard_weights_on_shared_gpus_is_refused(qwen_bpe, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
-    monkeypatch.setattr(torch.distributed, "get_backend", lambda group=None: "gloo")
+    monkeypatch.setattr(torch.distributed, "get_backend_config", lambda group=None: "gloo")
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
     monkeypatch.setattr(torch.distributed, "get_rank", lambda group=None: 0)
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
     with pytest.raises(
         ConfigError,
-        match=r"shard_weights=True with agents on GPUs needs the NCCL backend, one GPU per process; this run has "
-        r"gloo \(1 GPUs for 2 processes on this machine\). Launch at most one process per GPU, or set "
-        r"shard_weights=False",
+        match=r"shard_weights=True with agents on GPUs needs NCCL, one GPU per process and every agent on a GPU; "
+        r"this run's process group is gloo \(agent_devices=\['cuda', 'cuda'\], 1 GPU\(s\) for 2 processes on "
+        r"this machine\). Launch at most one process per GPU with every agent on a GPU, or set shard_weights=False",
     ):
         MAREINFORCETrainer(
             model=qwen_bpe,

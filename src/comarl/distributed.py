@@ -205,12 +205,16 @@ def _is_shard(tensor: torch.Tensor) -> bool:
 
 
 def launch(
-    num_agents: int, agent_parallel: bool, data_parallel: bool, on_gpus: bool, shard_weights: bool = False
+    num_agents: int,
+    agent_parallel: bool,
+    data_parallel: bool,
+    devices: Sequence[str],
+    shard_weights: bool = False,
 ) -> tuple[AgentParallel | None, DataParallel | None, Processes | None]:
     """``(agents, shards, everyone)``: this process's :class:`AgentParallel`, :class:`DataParallel` and all the run's
-    processes, each None when that mode is off (all three None in a single-process run). ``on_gpus``: whether any
-    agent trains on a GPU (it picks the backend, see :func:`_backend`); ``shard_weights``: whether FSDP2 will split
-    the agents, which on GPUs needs NCCL.
+    processes, each None when that mode is off (all three None in a single-process run). ``devices``: every
+    agent's device, the same list in every process (they pick the backend, see :func:`_process_group`);
+    ``shard_weights``: whether FSDP2 will split the agents, which on GPUs needs NCCL.
 
     Both modes together form a grid of ``num_agents x D`` processes: global rank ``d * num_agents + i`` trains
     agent ``i`` on data shard ``d``; the processes of shard d play episodes together, those of agent i sum
@@ -223,15 +227,17 @@ def launch(
         hint = f"agent_parallel=True needs one process per agent: launch with `torchrun --nproc-per-node={num_agents} ...`"
     else:
         hint = "data_parallel=True needs its processes: launch with `torchrun --nproc-per-node=N ...`"
-    dist = _process_group(hint, on_gpus)
+    dist = _process_group(hint, devices)
     world, rank = dist.get_world_size(), dist.get_rank()
-    if shard_weights and on_gpus and dist.get_backend() != "nccl":
-        # gloo has no all-gather or reduce-scatter of CUDA tensors, FSDP2's two collectives.
+    # gloo has no all-gather or reduce-scatter of CUDA tensors, FSDP2's two collectives. (The backend config of a
+    # group opened without a backend is "cpu:gloo,cuda:nccl": CUDA tensors go to NCCL there.)
+    if shard_weights and any(map(_is_gpu, devices)) and "nccl" not in dist.get_backend_config():
         raise ConfigError(
-            f"shard_weights=True with agents on GPUs needs the NCCL backend, one GPU per process; this run has "
-            f"{dist.get_backend()} ({torch.cuda.device_count()} GPUs for "
-            f"{os.environ.get('LOCAL_WORLD_SIZE', world)} processes on this machine). Launch at most one process "
-            "per GPU, or set shard_weights=False (shard_optimizer=True still splits AdamW's state)"
+            f"shard_weights=True with agents on GPUs needs NCCL, one GPU per process and every agent on a GPU; this "
+            f"run's process group is {dist.get_backend_config()} (agent_devices={list(devices)}, "
+            f"{torch.cuda.device_count()} GPU(s) for {os.environ.get('LOCAL_WORLD_SIZE', world)} processes on this "
+            "machine). Launch at most one process per GPU with every agent on a GPU, or set shard_weights=False "
+            "(shard_optimizer=True still splits AdamW's state)"
         )
     if agent_parallel and not data_parallel and world != num_agents:
         raise ConfigError(
@@ -258,16 +264,22 @@ def launch(
     return agents, data, Processes(dist, rank, world)
 
 
-def _process_group(launch_hint: str, on_gpus: bool = False) -> Any:
-    """``torch.distributed``, with the default process group initialised from torchrun's environment; with
-    ``on_gpus``, this process's GPU (:func:`local_gpu`) made the current CUDA device."""
+def _is_gpu(device: Any) -> bool:
+    return str(device).startswith("cuda")
+
+
+def _process_group(launch_hint: str, devices: Sequence[str] = ()) -> Any:
+    """``torch.distributed``, with the default process group initialised from torchrun's environment: its backend
+    from the agents' ``devices`` (:func:`_backend`), and, when any agent is on a GPU, this process's GPU
+    (:func:`local_gpu`) made the current CUDA device. A group the caller opened is used as it is."""
     import torch.distributed as dist
 
     if not dist.is_initialized():
         if "RANK" not in os.environ or "WORLD_SIZE" not in os.environ:
             raise ConfigError(f"{launch_hint} (or initialise torch.distributed yourself)")
-        backend = _backend(int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"])), on_gpus)
-        if on_gpus and torch.cuda.is_available():
+        processes_here = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ["WORLD_SIZE"]))
+        backend = _backend(processes_here, on_gpus=bool(devices) and all(map(_is_gpu, devices)))
+        if any(map(_is_gpu, devices)) and torch.cuda.is_available():
             # NCCL's object gathers stage through the current device; FSDP2 and CUDA's defaults use it too.
             torch.cuda.set_device(local_gpu(int(os.environ["RANK"])))
         dist.init_process_group(backend=backend)
@@ -306,10 +318,10 @@ def finish(exit_code: int = 0) -> NoReturn:
 
 
 def _backend(processes_here: int, on_gpus: bool) -> str:
-    """NCCL when the agents train on GPUs (``on_gpus``) and each of the ``processes_here`` processes on this machine
-    (torchrun's LOCAL_WORLD_SIZE; on several nodes the world is larger) has a GPU of its own; else gloo (agents on
-    the CPU, whose gradients NCCL cannot sum, or processes sharing a GPU; only token ids and texts cross processes,
-    through the CPU either way)."""
+    """NCCL when every agent trains on a GPU (``on_gpus``) and each of the ``processes_here`` processes on this
+    machine (torchrun's LOCAL_WORLD_SIZE; on several nodes the world is larger) has a GPU of its own; else gloo
+    (an agent on the CPU, whose gradients NCCL cannot sum, or processes sharing a GPU; gloo sums CUDA gradients
+    too, and only token ids and texts cross processes otherwise, through the CPU either way)."""
     return (
         "nccl"
         if on_gpus and torch.cuda.is_available() and torch.cuda.device_count() >= processes_here

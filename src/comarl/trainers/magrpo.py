@@ -156,7 +156,8 @@ class MAGRPOTrainer:
             n,
             args.agent_parallel,
             args.data_parallel,
-            on_gpus=any(str(d).startswith("cuda") for d in devices),
+            # where the agents are: a team of objects stays where it was loaded
+            [str(a.device) for a in team.agents] if team is not None else devices,
             shard_weights=args.shard_weights,
         )
         self.local = [self.parallel.rank] if self.parallel is not None else list(range(n))
