@@ -183,13 +183,16 @@ def check_resume(device: str, base: Path) -> str:
     except RuntimeError as error:
         if "went away" not in str(error):
             raise
+    else:
+        raise AssertionError("the run meant to stop in step 3 did not stop")
     resumed = trainer(base / "stopped")
     resumed.train(resume_from_checkpoint=True)
-    worst = max(
-        float((p - q).abs().max())
-        for a, b in zip(unbroken.team, resumed.team)
-        for p, q in zip(a.model.parameters(), b.model.parameters())
-    )
+    with torch.no_grad():
+        worst = max(
+            float((p - q).abs().max())
+            for a, b in zip(unbroken.team, resumed.team)
+            for p, q in zip(a.model.parameters(), b.model.parameters())
+        )
     if worst > 1e-5:
         raise AssertionError(f"resumed weights differ from the unbroken run's by up to {worst:.2e}")
     detail = f"resumed = unbroken to {worst:.1e}"

@@ -710,7 +710,7 @@ class MAGRPOTrainer:
                 f"resume_from_checkpoint: the checkpoint holds agents {sorted(state['agents'])}, this process trains "
                 f"{self.local}; resume with the same launch (agent_parallel and process count)"
             )
-        for i, part in state["agents"].items():
+        for i, part in state["agents"].items():  # every agent checked before any is loaded
             here = self.team[i].generator.device.type
             if part.get("sampling_device", here) != here:
                 # A CPU stream's state is not a CUDA stream's (5056 bytes against 16): it cannot continue there.
@@ -719,6 +719,7 @@ class MAGRPOTrainer:
                     f"written and is on {here} now; resume with the same kind of device (agent_devices), or start a "
                     "new run from the saved agents (save_model's agent_i folders)"
                 )
+        for i, part in state["agents"].items():
             self.team[i].model.load_state_dict(part["model"])
             load_optimizer_state(self.optimizers[i], part["optimizer"])
             self.schedulers[i].load_state_dict(part["scheduler"])

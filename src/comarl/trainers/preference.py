@@ -241,7 +241,8 @@ class MADPOTrainer(MAGRPOTrainer):
                         i: _trimmed(_rows(rollout.generations[i], block)).to("cpu") for i in self.local
                     },
                     "rewards": team_rewards[b].cpu(),
-                    "ref": {i: r[block] for i, r in ref.items()},
+                    # clones: a view would keep (and pickle, under data parallelism) the whole chunk's storage
+                    "ref": {i: r[block].clone() for i, r in ref.items()},
                 }
         if self.data is not None:  # every process's items
             for part in self.data.gather(cache):
