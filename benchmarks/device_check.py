@@ -198,9 +198,7 @@ def check_resume(device: str, base: Path) -> str:
     detail = f"resumed = unbroken to {worst:.1e}"
     if device.startswith("cuda"):
         try:
-            trainer(base / "stopped", on="cpu").train(
-                resume_from_checkpoint=base / "stopped" / "checkpoints" / "step_2"
-            )
+            trainer(base / "stopped", on="cpu").train(resume_from_checkpoint=True)
         except ConfigError as error:
             if "sampled on cuda when the checkpoint was written and is on cpu now" not in str(error):
                 raise
