@@ -126,7 +126,7 @@ class DataParallel(Processes):
 
     def device(self, devices: Sequence[str]) -> list[str]:
         """This process's copy of the team on its own GPU (:func:`local_gpu`) when the agents are on GPUs."""
-        return [local_gpu(self.rank) if str(d).startswith("cuda") else d for d in devices]
+        return [local_gpu(self.rank) if _is_gpu(d) else d for d in devices]
 
     def shard(self, items: Sequence[Any]) -> list[Any]:
         """This process's contiguous share of ``items`` (their count is a multiple of the world size)."""
