@@ -111,7 +111,11 @@ def summarize(runs: Sequence[dict[str, Any]]) -> dict[Case, dict[str, float]]:
     )
     summary = {}
     for case, rs in grouped.items():
-        summary[case] = {**{k: median([r[k] for r in rs]) for k in keys}, "repeats": len(rs)}
+        summary[case] = {
+            **{k: median([r[k] for r in rs]) for k in keys},
+            "repeats": len(rs),
+            "threads": max(r.get("threads", 1) for r in rs),  # torch threads per process
+        }
         gpu = [r["peak_gpu_mb"] for r in rs if r.get("peak_gpu_mb") is not None]
         summary[case]["peak_gpu_mb"] = median(gpu) if gpu else None
     return summary
@@ -227,6 +231,22 @@ def _mib(value: float | None) -> str:
     return "-" if value is None else f"{value:.0f}"
 
 
+def _threads_text(count: int) -> str:
+    return "one thread" if count == 1 else f"{count} threads"
+
+
+def _parallel_heading(summary: dict[Case, dict[str, Any]]) -> str:
+    """The line above the agent-parallel table: how many threads its processes and the one-process runs had."""
+    parallel = {v["threads"] for c, v in summary.items() if c.library == "comarl-ap"}
+    single = {v["threads"] for c, v in summary.items() if c.library != "comarl-ap"}
+    each = " or ".join(_threads_text(t) for t in sorted(parallel))
+    above = " or ".join(_threads_text(t) for t in sorted(single)) or "-"
+    return (
+        f"Agents as processes (`agent_parallel=True`, torchrun, one process per agent, {each} each; "
+        f"the rows above run in one process with {above}):"
+    )
+
+
 def markdown(rows: Sequence[dict[str, Any]], summary: dict[Case, dict[str, float]]) -> str:
     """The result tables in markdown: comarl vs each peer, comarl vs the floor, targets, scaling in agents."""
     gpu = any(r.get("comarl_gpu_mb") is not None for r in rows)
@@ -279,7 +299,7 @@ def markdown(rows: Sequence[dict[str, Any]], summary: dict[Case, dict[str, float
     if parallel:
         lines += [
             "",
-            "Agents as processes (`agent_parallel=True`, torchrun, one core per agent; the rows above use one core):",
+            _parallel_heading(summary),
             "",
             "| mode | agents | compl/s | vs comarl, one process | vs CoMLRL (wall) | vs CoMLRL (per CPU s) "
             "| s / epoch | relative to 1 agent | RSS MiB, all processes |",
@@ -340,6 +360,15 @@ def library_versions(python: Path, modules: Sequence[str]) -> dict[str, str]:
     return json.loads(out.stdout)
 
 
+def process_threads(case: Case, threads: int) -> int:
+    """Torch threads of each process of ``case`` when a one-process run gets ``threads``.
+
+    An agent-parallel run splits them among its agent processes, at least one each, so that with
+    ``threads >= agents`` it uses the same cores as the one-process runs.
+    """
+    return max(1, threads // case.agents) if case.library == "comarl-ap" else threads
+
+
 def run_case(
     case: Case,
     python: Path,
@@ -353,6 +382,7 @@ def run_case(
     launcher = [str(python)]
     if case.library == "comarl-ap":
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={case.agents}"]
+    threads = process_threads(case, threads)
     command = [
         *launcher,
         str(HERE / RUNNERS[case.library]),

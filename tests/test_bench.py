@@ -16,6 +16,7 @@ from bench import (  # noqa: E402
     comparisons,
     markdown,
     median,
+    process_threads,
     schedule,
     summarize,
     targets,
@@ -152,3 +153,22 @@ def test_agent_parallel_rows_compare_with_one_process_and_comlrl_and_give_the_sc
     text = markdown(comparisons(summary), summary)
     assert "| batched | 2 | 32.00 | 1.60x | 4.00x | 2.00x | 8.0 | 1.25 | 500 |" in text
     assert "| batched | 3 | 24.00 | - | - | - | 16.0 | 2.50 | 500 |" in text
+    assert "one process per agent, one thread each; the rows above run in one process with one thread" in text
+
+
+def test_agent_processes_split_the_threads_of_a_one_process_run():
+    # --threads 2: the one-process runs get 2 threads; two agent processes one each (the same 2 cores)
+    assert process_threads(Case("comlrl", "peer", 2), 2) == 2
+    assert process_threads(Case("comarl-ap", "peer", 2), 2) == 1
+    assert process_threads(Case("comarl-ap", "peer", 2), 4) == 2
+    assert process_threads(Case("comarl-ap", "peer", 3), 2) == 1  # never fewer than one
+    summary = summarize(
+        [
+            {**run("comarl", "batched", 2, 20.0), "threads": 2},
+            {**run("comarl-ap", "batched", 2, 32.0), "threads": 1},
+        ]
+    )
+    assert (
+        "one process per agent, one thread each; the rows above run in one process with 2 threads"
+        in markdown(comparisons(summary), summary)
+    )
