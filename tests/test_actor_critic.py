@@ -310,6 +310,51 @@ def test_entropy_bonus_alone_raises_the_policy_entropy(team):
     assert results[1.0] > 0.01
 
 
+def test_mask_truncated_completions_leaves_cut_answers_out_of_the_actor_loss(team):
+    """IAC with separate critics (the actor loss is the policy loss alone): a cut completion (no EOS) adds nothing to the policy gradient when masked."""
+    import dataclasses
+
+    from comarl import Agent
+    from comarl.engines import HFEngine, SamplingParams
+
+    def actor_gradients(gen, advantages, **kw):
+        trainer = _trainer(IACTrainer, IACConfig, team, reward=answer_length, critic_model=team[0], **kw)
+        grads, step = [], trainer._step
+
+        def capture(optimizer, params, head):
+            params = list(params)
+            grads.extend(p.grad.clone() for p in params if p.grad is not None)
+            return step(optimizer, params, head)
+
+        trainer._step = capture
+        zeros = torch.zeros(len(advantages))
+        metrics = trainer.update_actor(0, gen, advantages, zeros, zeros)
+        return grads, metrics
+
+    agent = Agent.from_pretrained(team[0])
+    eos, pad = agent.eos_token_ids[0], agent.tokenizer.pad_token_id
+    gen = HFEngine().generate(agent, ["alice and bob"], 2, SamplingParams(max_new_tokens=3))
+    ids = torch.tensor([[5, eos, pad], [5, 6, 7]])  # ended; cut at max_new_tokens
+    both = dataclasses.replace(gen, completion_ids=ids, completion_mask=torch.tensor([[1, 1, 0], [1, 1, 1]]))
+    ended = dataclasses.replace(
+        both,
+        prompt_ids=both.prompt_ids[:1],
+        prompt_mask=both.prompt_mask[:1],
+        completion_ids=ids[:1],
+        completion_mask=both.completion_mask[:1],
+    )
+    masked, metrics = actor_gradients(both, torch.tensor([1.0, -1.0]), mask_truncated_completions=True)
+    alone, _ = actor_gradients(ended, torch.tensor([1.0]))
+    scored, _ = actor_gradients(both, torch.tensor([1.0, -1.0]))
+    assert len(masked) == len(alone) > 0
+    for a, b in zip(masked, alone):
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+    assert not all(
+        torch.allclose(a, b, atol=1e-6) for a, b in zip(scored, alone)
+    )  # off: the cut row is scored
+    assert metrics["truncated_fraction"] == 0.5 and metrics["completion_length"] == 2.5
+
+
 def test_value_head_reads_the_last_prompt_token_in_the_policy_forward(team):
     trainer = _trainer(IACTrainer, IACConfig, team)
     agent, head = trainer.team[0], trainer.value_heads[0]

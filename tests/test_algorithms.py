@@ -18,6 +18,7 @@ from comarl.algorithms import (
     sequence_kl_k1,
     token_entropy,
     token_logprobs,
+    truncated_completions,
 )
 from comarl.rollout import joint_action_indices
 
@@ -246,6 +247,18 @@ def test_completion_mask_several_eos_ids():
     ids = torch.tensor([[5, 9, 2, 3], [2, 9, 4, 4], [5, 6, 7, 8], [6, 2, 9, 9]])
     expected = torch.tensor([[1, 1, 0, 0], [1, 0, 0, 0], [1, 1, 1, 1], [1, 1, 0, 0]])
     assert torch.equal(completion_mask(ids, [2, 9]), expected)
+
+
+def test_truncated_completions_are_those_without_an_eos_under_their_mask():
+    eos = 2
+    ids = torch.tensor([[5, 7, 2, 2], [5, 7, 8, 9], [2, 2, 2, 2], [5, 7, 8, 2]])
+    mask = completion_mask(ids, [eos])
+    # ended early, cut at max_new_tokens, ended at once, ended on the last allowed token
+    assert truncated_completions(ids, mask, [eos]).tolist() == [False, True, False, False]
+    # pad == eos: a cut completion padded with EOS-valued tokens (unscored) is still cut
+    padded = torch.tensor([[5, 7, 8, 2, 2]])
+    assert truncated_completions(padded, torch.tensor([[1, 1, 1, 0, 0]]), [eos]).tolist() == [True]
+    assert truncated_completions(ids, mask, [9]).tolist() == [True, False, True, True]  # another EOS id
 
 
 # ----------------------------------------------------------------------------- kl_k3

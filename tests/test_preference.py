@@ -474,6 +474,10 @@ def test_marlhf_raises_the_task_reward_through_the_learned_reward(demo_team, tmp
         ({"candidates_from": "past"}, "candidates_from='past': choose one of"),
         ({"baseline": "group_mean"}, "MADPO learns from preference pairs, not advantages"),
         ({"preference_pairs_per_sample": 0}, "preference_pairs_per_sample=0: must be an integer >= 1"),
+        (
+            {"mask_truncated_completions": True},
+            "mask_truncated_completions=True masks a policy-gradient loss; MADPO's DPO loss compares whole answers",
+        ),
     ],
 )
 def test_madpo_config_errors(kwargs, message):

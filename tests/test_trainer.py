@@ -229,6 +229,56 @@ def test_zero_advantage_fraction_explains_a_zero_loss(qwen_bpe):
     assert metrics["agent_0/loss"] == 0.0 and metrics["agent_0/grad_norm"] == 0.0
 
 
+def test_mask_truncated_completions_leaves_cut_completions_out_of_the_loss(qwen_bpe):
+    """A completion cut by max_new_tokens (no EOS) adds no gradient and no token to dapo's mean when masked."""
+    import dataclasses
+
+    def gradients_and_metrics(gen, advantages, **kw):
+        trainer = MAGRPOTrainer(
+            model=qwen_bpe,
+            num_agents=1,
+            train_dataset=DATA,
+            reward_func=length_reward,
+            args=small_args(max_new_tokens=4, **kw),
+        )
+        grads = []
+        step = trainer._apply_gradients
+
+        def capture(i):
+            grads.extend(p.grad.clone() for p in trainer.team[i].model.parameters())
+            return step(i)
+
+        trainer._apply_gradients = capture
+        return grads, trainer.update_agent(0, gen, advantages)
+
+    agent = Agent.from_pretrained(qwen_bpe)
+    eos, pad = agent.eos_token_ids[0], agent.tokenizer.pad_token_id
+    gen = HFEngine().generate(agent, ["alice and bob"], 2, SamplingParams(max_new_tokens=4))
+    ids = torch.tensor([[17, 23, eos, pad], [17, 29, 31, 40]])  # ended; cut at max_new_tokens
+    both = dataclasses.replace(
+        gen, completion_ids=ids, completion_mask=torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    )
+    ended = dataclasses.replace(
+        both,
+        prompt_ids=both.prompt_ids[:1],
+        prompt_mask=both.prompt_mask[:1],
+        completion_ids=ids[:1],
+        completion_mask=both.completion_mask[:1],
+    )
+    masked, masked_metrics = gradients_and_metrics(
+        both, torch.tensor([1.0, -1.0]), mask_truncated_completions=True
+    )
+    alone, _ = gradients_and_metrics(ended, torch.tensor([1.0]))
+    scored, scored_metrics = gradients_and_metrics(both, torch.tensor([1.0, -1.0]))
+    for a, b in zip(masked, alone):  # the cut row is as if absent: dapo's mean over the ended row's 3 tokens
+        torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-4)
+    assert masked_metrics["truncated_fraction"] == scored_metrics["truncated_fraction"] == 0.5
+    assert masked_metrics["grad_norm"] == pytest.approx(
+        float(torch.cat([g.flatten() for g in alone]).norm()), rel=1e-4
+    )
+    assert scored_metrics["grad_norm"] != pytest.approx(masked_metrics["grad_norm"], rel=1e-2)  # off: scored
+
+
 def test_agent_settings_give_each_agent_its_sampling_micro_batches_and_learning_rate(qwen_bpe, llama_word):
     settings = [
         {"max_new_tokens": 2, "temperature": 0.5, "micro_batch_size": 1, "learning_rate": 0.25},

@@ -154,6 +154,19 @@ def completion_mask(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> t
     return (eos_before == 0).to(torch.long)
 
 
+def truncated_completions(
+    completion_ids: torch.Tensor, completion_mask: torch.Tensor, eos_token_ids: list[int]
+) -> torch.Tensor:
+    """``[B]`` bool: True where a completion holds no EOS among its scored tokens.
+
+    ``completion_mask`` is 1 up to and including the first EOS, so a completion the agent ended has an EOS
+    under its mask; one without was cut by ``max_new_tokens``. (With ``pad == eos`` the padding after a
+    truncated completion is EOS-valued but unscored, so it does not count as an ending.)
+    """
+    eos = torch.tensor(list(eos_token_ids), device=completion_ids.device)
+    return ~(torch.isin(completion_ids, eos) & completion_mask.bool()).any(dim=1)
+
+
 def kl_k3(
     logprobs: torch.Tensor, ref_logprobs: torch.Tensor, mask: torch.Tensor | None = None
 ) -> torch.Tensor:

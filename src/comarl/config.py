@@ -182,6 +182,12 @@ class MAGRPOConfig:
         "dapo (mean over all tokens of the batch).",
         default="dapo",
     )
+    mask_truncated_completions: bool = _help(
+        "Leave completions that reach max_new_tokens without EOS out of the policy loss (DAPO's overlong "
+        "filtering; TRL's field of the same name). They keep their rewards, so they still count in their "
+        "group's baseline and scale; only their own tokens are not scored (nor counted in dapo's token mean).",
+        default=False,
+    )
     num_iterations: int = _help("Updates per collected batch; > 1 uses the PPO clipped ratio.", default=1)
     epsilon: float = _help("PPO lower clip: ratio >= 1 - epsilon.", default=0.2)
     epsilon_high: float | None = _help(
@@ -898,6 +904,11 @@ class MADPOConfig(MAGRPOConfig):
                 "set beta=0 and leave kl_penalty (and set dpo_beta=)"
             )
         _check_preference_fields(self, self.num_generations, "MADPO")
+        if self.mask_truncated_completions:
+            raise ConfigError(
+                "mask_truncated_completions=True masks a policy-gradient loss; MADPO's DPO loss compares whole "
+                "answers: remove it (or give truncated answers a low reward)"
+            )
         if self.joint_mode != "aligned":
             raise ConfigError(
                 f"joint_mode={self.joint_mode!r}: MADPO's joint candidate k is every agent's k-th answer; "

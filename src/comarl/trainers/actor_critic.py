@@ -34,6 +34,7 @@ from comarl.algorithms import (
     explained_variance,
     kl_k3,
     tree_lambda_returns,
+    truncated_completions,
     value_loss,
     whiten,
 )
@@ -221,8 +222,12 @@ class ActorCriticTrainer(MAGRPOTrainer):
         )
         M = gen.completion_ids.shape[0]
         micro = args.micro_batch_rows(M, gen.prompt_ids.shape[1] + gen.completion_ids.shape[1])
-        # Completion lengths of the whole batch (every process's under data parallelism): the loss normalisers.
-        (row_tokens,) = self._everywhere(gen.completion_mask.sum(dim=1))
+        cut = truncated_completions(gen.completion_ids, gen.completion_mask, agent.eos_token_ids)
+        scored = self.loss_mask(i, gen, cut)  # the tokens the policy loss scores
+        # Scored lengths of the whole batch (every process's under data parallelism): the loss normalisers.
+        row_tokens, lengths, all_cut = self._everywhere(
+            scored.sum(dim=1), gen.completion_mask.sum(dim=1), cut
+        )
         # Behaviour and reference log-probs under no_grad, only when the loss needs them.
         batches = [slice(s, s + micro) for s in range(0, M, micro)]
         reused = args.num_iterations * args.num_mini_batches > 1
@@ -236,7 +241,7 @@ class ActorCriticTrainer(MAGRPOTrainer):
                 # A shard may hold none of a mini-batch; a sharded agent's shards still run as many passes each.
                 first_row = torch.zeros(1, dtype=torch.long)
                 for mb, real in self._padded(i, rows.split(micro) if len(rows) else (), filler=first_row):
-                    mask = gen.completion_mask[mb]
+                    mask = scored[mb]
                     with self._autocast(device):
                         logp, entropy, values = policy_forward(
                             agent.model,
@@ -244,7 +249,7 @@ class ActorCriticTrainer(MAGRPOTrainer):
                             gen.prompt_ids[mb],
                             gen.prompt_mask[mb],
                             gen.completion_ids[mb],
-                            mask,
+                            gen.completion_mask[mb],
                             args.temperature,
                             with_entropy=True,
                             entropy_grad=args.entropy_coef > 0,
@@ -276,14 +281,14 @@ class ActorCriticTrainer(MAGRPOTrainer):
                         continue
                     loss.backward()
                     with torch.no_grad():
-                        scored = mask.float()
+                        weights = mask.float()
                         totals["loss"] += float(loss.detach())
-                        totals["clip_fraction"] += float((clipped * scored).sum()) / max(tokens, 1)
+                        totals["clip_fraction"] += float((clipped * weights).sum()) / max(tokens, 1)
                         # KL(pi_old || pi) from the tokens pi_old sampled: k3 with the sampler's log-probs first
                         totals["approx_kl"] += float(
-                            (kl_k3(behaviour, logp.detach(), mask) * scored).sum()
+                            (kl_k3(behaviour, logp.detach(), mask) * weights).sum()
                         ) / max(tokens, 1)
-                        totals["entropy"] += float((entropy.detach() * scored).sum()) / max(tokens, 1)
+                        totals["entropy"] += float((entropy.detach() * weights).sum()) / max(tokens, 1)
                 grad_norm = self._step(optimizer, agent.model.parameters(), head)
                 self.schedulers[i].step()
             # metrics: averages over the mini-batches of the last epoch
@@ -299,7 +304,8 @@ class ActorCriticTrainer(MAGRPOTrainer):
             **totals,
             "grad_norm": grad_norm,
             "lr": self.schedulers[i].get_last_lr()[0],
-            "completion_length": float(row_tokens.float().mean()),
+            "completion_length": float(lengths.float().mean()),
+            "truncated_fraction": float(all_cut.float().mean()),
             "advantage_abs": float(all_advantages.abs().mean()),
             "value_mean": float(all_values.mean()),
         }

@@ -26,7 +26,14 @@ from typing import Any
 import torch
 
 from comarl.agents import Agent, Team, WithoutAdapters, add_lora, has_adapters, shared_base_lora
-from comarl.algorithms import aggregate_loss, clipped_surrogate, group_advantages, kl_k3, sequence_kl_k1
+from comarl.algorithms import (
+    aggregate_loss,
+    clipped_surrogate,
+    group_advantages,
+    kl_k3,
+    sequence_kl_k1,
+    truncated_completions,
+)
 from comarl.config import ConfigError, MAGRPOConfig, MAREINFORCEConfig, MAReMaxConfig, MARLOOConfig
 from comarl.distributed import (
     DataParallel,
@@ -561,10 +568,12 @@ class MAGRPOTrainer:
             refs = self.references if args.kl_penalty == "loss" else None  # 'reward': already in the returns
             ref = self._logprobs(i, gen, batches, refs[i]) if refs is not None else None
             adv = advantages[i].to(agent.device)
+            cut = truncated_completions(gen.completion_ids, gen.completion_mask, agent.eos_token_ids)
+            scored = self.loss_mask(i, gen, cut)
             # The loss is normalised over the whole batch: every process's completions under data parallelism.
-            size = (M, gen.num_tokens, float(adv.abs().sum()))
+            size = (M, gen.num_tokens, float(adv.abs().sum()), int(scored.sum()), int(cut.sum()))
             sizes[i] = size if self.data is None else tuple(map(sum, zip(*self.data.gather(size))))
-            prepared[i] = (batches, old, ref, adv, sizes[i][0], sizes[i][1])
+            prepared[i] = (batches, old, ref, adv, scored, sizes[i][0], sizes[i][3])
         for _ in range(args.num_iterations):
             # metrics of the last iteration
             totals = {i: self._backward(i, gens[i], *prepared[i]) for i in agents}
@@ -580,9 +589,17 @@ class MAGRPOTrainer:
                 "lr": lr,
                 "completion_length": sizes[i][1] / sizes[i][0],
                 "advantage_abs": sizes[i][2] / sizes[i][0],
+                "truncated_fraction": sizes[i][4] / sizes[i][0],
             }
             for i in agents
         }
+
+    def loss_mask(self, i: int, gen: Generation, truncated: torch.Tensor) -> torch.Tensor:
+        """The tokens of ``gen`` that agent ``i``'s policy loss scores: its completion mask, less the rows
+        ``truncated`` (cut by ``max_new_tokens``, ``truncated_completions``) when ``mask_truncated_completions``."""
+        if not self.agent_args[i].mask_truncated_completions:
+            return gen.completion_mask
+        return gen.completion_mask * (~truncated).unsqueeze(1).to(gen.completion_mask.dtype)
 
     def _apply_gradients(self, i: int) -> float:
         """Agent ``i``'s optimizer step on the gradients its backward passes left (summed over the processes under
@@ -604,18 +621,21 @@ class MAGRPOTrainer:
         old: torch.Tensor | None,
         ref: torch.Tensor | None,
         advantages: torch.Tensor,
+        scored: torch.Tensor,
         M: int,
         num_tokens: int,
     ) -> dict[str, float]:
-        """Back-propagate agent ``i``'s clipped policy loss (+ KL), one micro-batch at a time; ``M`` completions and
-        ``num_tokens`` tokens in the whole batch are the loss's normalisers."""
+        """Back-propagate agent ``i``'s clipped policy loss (+ KL), one micro-batch at a time, over the tokens
+        ``scored`` (``loss_mask``); ``M`` completions and ``num_tokens`` scored tokens in the whole batch are the
+        loss's normalisers."""
         args, agent = self.agent_args[i], self.team[i]
         totals = {"loss": 0.0, "clip_fraction": 0.0} | ({} if ref is None else {"kl": 0.0})
         for sl, real in self._padded(i, batches, filler=slice(0, 1)):
-            mask = gen.completion_mask[sl]
+            mask = scored[sl]
             with self._autocast(agent.device):
                 logp = agent.completion_logprobs(
-                    gen.prompt_ids[sl], gen.prompt_mask[sl], gen.completion_ids[sl], mask, args.temperature
+                    gen.prompt_ids[sl], gen.prompt_mask[sl], gen.completion_ids[sl], gen.completion_mask[sl],
+                    args.temperature,
                 )
             behaviour = logp.detach() if old is None else old[sl]
             per_token, clipped = clipped_surrogate(
