@@ -173,7 +173,8 @@ def test_ppo_iterations_and_kl_are_reported(qwen_bpe, kl_penalty):
     if kl_penalty == "loss":
         assert metrics["agent_0/kl"] > 0 and "agent_0/kl_penalty" not in metrics
     else:
-        assert metrics["agent_0/kl_penalty"] > 0 and "agent_0/kl" not in metrics
+        # k1 of a batch may be of either sign; its exact value: test_kl_in_reward_lowers_each_completions_return...
+        assert metrics["agent_0/kl_penalty"] != 0 and "agent_0/kl" not in metrics
     assert 0 <= metrics["agent_0/clip_fraction"] <= 1
     assert trainer.schedulers[0].last_epoch == 2 * 3  # one optimizer step per iteration
 
@@ -596,3 +597,99 @@ def test_agents_generate_concurrently_when_given_a_pool():
             "a0",
             "a1",
         ]
+
+
+# ---------------------------------------------------------------------------- the update against hand-written math
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.5])
+def test_magrpo_update_is_the_gradient_of_the_hand_written_loss(qwen_bpe, beta):
+    """dapo with ratio 1: L = -(1/7) sum_i A_i sum_t m_it logp_it (+ beta/7 sum m k3), EOS scored, padding not.
+
+    Catches a skipped last token (loss -1), scored padding (-1.5), a flipped sign (+10/7) and a KL sign or
+    weight error in the trainer's wiring of aggregate_loss, clipped_surrogate and kl_k3."""
+    import dataclasses
+
+    trainer = MAGRPOTrainer(
+        model=qwen_bpe,
+        num_agents=1,
+        train_dataset=DATA,
+        reward_func=length_reward,
+        args=small_args(max_new_tokens=4, beta=beta, max_grad_norm=None),
+    )
+    agent = trainer.team[0]
+    if beta:  # a reference that differs from the policy, so that k3 and its gradient are not 0
+        torch.manual_seed(0)
+        with torch.no_grad():
+            for p in trainer.references[0].parameters():
+                p.add_(0.05 * torch.randn_like(p))
+    eos, pad = agent.eos_token_ids[0], agent.tokenizer.pad_token_id
+    gen = HFEngine().generate(agent, ["alice and bob"], 2, SamplingParams(max_new_tokens=4))
+    ids = torch.tensor([[17, 23, eos, pad], [17, 29, 31, 40]])  # 3 scored tokens (EOS included), 4 scored
+    mask = torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    gen = dataclasses.replace(gen, completion_ids=ids, completion_mask=mask)
+    adv = torch.tensor([2.0, 1.0])
+    params = [p for p in agent.model.parameters() if p.requires_grad]
+    logp = agent.completion_logprobs(gen.prompt_ids, gen.prompt_mask, ids, mask)
+    loss = -(adv[:, None] * logp * mask).sum() / 7
+    if beta:
+        with torch.no_grad():
+            ref = agent.completion_logprobs(
+                gen.prompt_ids, gen.prompt_mask, ids, mask, model=trainer.references[0]
+            )
+        d = torch.where(mask.bool(), ref - logp, 0.0)
+        loss = loss + beta * ((torch.exp(d) - d - 1) * mask).sum() / 7
+    expected = torch.autograd.grad(loss, params)
+    got = []
+    trainer.optimizers[0].step = lambda *a, **k: got.extend(p.grad.clone() for p in params)
+    metrics = trainer.update_agent(0, gen, adv)
+    if not beta:
+        assert metrics["loss"] == pytest.approx(-10 / 7, abs=1e-6)  # -(2 * 3 + 1 * 4) / 7
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=1e-6, rtol=1e-4)
+
+
+@pytest.mark.parametrize(
+    ("name", "greedy", "expected"),
+    [
+        ("MAREINFORCE", None, [1.0, 2.0, 3.0, 6.0]),  # the raw return
+        ("MARLOO", None, [-8 / 3, -4 / 3, 0.0, 4.0]),  # R minus the mean of the other three
+        ("MAReMax", torch.tensor([4.0]), [-3.0, -2.0, -1.0, 2.0]),  # R minus the greedy return
+        ("MAGRPO", None, [x / (14 / 3) ** 0.5 for x in (-2.0, -1.0, 0.0, 3.0)]),  # (R - mean) / std
+    ],
+)
+def test_each_family_trainer_uses_its_own_advantages(qwen_bpe, name, greedy, expected):
+    """Returns [1, 2, 3, 6] of one group through each trainer's own defaults (CoMLRL's four are identical)."""
+    import comarl
+
+    args = getattr(comarl, f"{name}Config")(prompts_per_step=1, num_generations=4, progress_bar=False)
+    trainer = getattr(comarl, f"{name}Trainer")(
+        model=qwen_bpe, num_agents=1, train_dataset=DATA, reward_func=lambda a: [0.0] * len(a), args=args
+    )
+    adv, _ = trainer._advantages(
+        torch.tensor([[1.0, 2.0, 3.0, 6.0]]), greedy, torch.zeros(1, dtype=torch.long)
+    )
+    torch.testing.assert_close(adv, torch.tensor(expected), atol=1e-3, rtol=0)  # std's eps: 1e-4
+
+
+def test_trainer_discount_reaches_the_returns(qwen_bpe):
+    """Two turns paid 1 then 4 with discount 0.5: the first turn's return is 1 + 0.5 * 4 = 3 (ignored: 5)."""
+    trainer = MAGRPOTrainer(
+        model=qwen_bpe,
+        num_agents=1,
+        train_dataset=DATA[:1],
+        reward_func=lambda a, prompts: [4.0 if p.startswith("again") else 1.0 for p in prompts[0]],
+        transition=lambda item, completions, history: ["again"],
+        args=MAGRPOConfig(
+            prompts_per_step=1,
+            num_generations=2,
+            max_new_tokens=2,
+            num_turns=2,
+            discount=0.5,
+            progress_bar=False,
+            reward_call="batched",
+        ),
+    )
+    rollout = trainer._collect(DATA[:1])
+    torch.testing.assert_close(rollout.returns[0][0], torch.tensor([3.0, 3.0]))
