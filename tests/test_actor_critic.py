@@ -355,6 +355,40 @@ def test_mask_truncated_completions_leaves_cut_answers_out_of_the_actor_loss(tea
     assert metrics["truncated_fraction"] == 0.5 and metrics["completion_length"] == 2.5
 
 
+def test_actor_update_is_the_gradient_of_the_hand_written_policy_loss(team):
+    """IAC with separate critics, dapo, one epoch (ratio 1): L = -(1/5) sum_i A_i sum_t m_it logp_it over
+    [x, EOS] and [x, y, z]: EOS scored, padding not, advantages with their sign."""
+    import dataclasses
+
+    from comarl.engines import HFEngine, SamplingParams
+
+    trainer = _trainer(
+        IACTrainer, IACConfig, team, reward=answer_length, critic_model=team[0], max_grad_norm=None
+    )
+    agent = trainer.team[0]
+    eos, pad = agent.eos_token_ids[0], agent.tokenizer.pad_token_id
+    gen = HFEngine().generate(agent, ["alice and bob"], 2, SamplingParams(max_new_tokens=3))
+    ids, mask = torch.tensor([[5, eos, pad], [5, 6, 7]]), torch.tensor([[1, 1, 0], [1, 1, 1]])
+    gen = dataclasses.replace(gen, completion_ids=ids, completion_mask=mask)
+    adv = torch.tensor([2.0, 1.0])
+    params = [p for p in agent.model.parameters() if p.requires_grad]
+    logp = agent.completion_logprobs(gen.prompt_ids, gen.prompt_mask, ids, mask)
+    expected = torch.autograd.grad(-(adv[:, None] * logp * mask).sum() / 5, params)
+    got, step = [], trainer._step
+
+    def capture(optimizer, parameters, head):
+        got.extend(p.grad.clone() for p in params)
+        return step(optimizer, parameters, head)
+
+    trainer._step = capture
+    zeros = torch.zeros(2)
+    metrics = trainer.update_actor(0, gen, adv, zeros, zeros)
+    assert metrics["loss"] == pytest.approx(-7 / 5, abs=1e-6)  # -(2 * 2 + 1 * 3) / 5
+    assert len(got) == len(expected)
+    for g, e in zip(got, expected):
+        torch.testing.assert_close(g, e, atol=1e-6, rtol=1e-4)
+
+
 def test_value_head_reads_the_last_prompt_token_in_the_policy_forward(team):
     trainer = _trainer(IACTrainer, IACConfig, team)
     agent, head = trainer.team[0], trainer.value_heads[0]
