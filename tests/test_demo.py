@@ -60,10 +60,11 @@ def test_cli_train_from_yaml_with_overrides(tmp_path, capsys):
         "  num_generations: 2\n  reward_call: batched\n  success_threshold: 1.0\n"
     )
     out = tmp_path / "out"
-    assert main(["train", str(spec), "--set", f"output_dir={out}", "--set", "args.learning_rate=1e-4"]) == 0
+    assert main(["train", str(spec), "--set", f"output_dir={out}", "--set", "args.learning_rate=1e-5"]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert "reward" in printed and "eval/success" in printed
-    assert "learning_rate: 0.0001" in (out / "config.yaml").read_text()
+    assert "learning_rate: 1.0e-05" in (out / "config.yaml").read_text()
+    assert printed["agent_0/lr"] == 1e-5  # the summary keeps 4 significant digits, not 4 decimals (0.0)
     assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
 
 

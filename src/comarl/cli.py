@@ -211,7 +211,9 @@ def _train(spec: RunSpec, resume: bool = False) -> int:
     if trainer.eval_dataset is not None:
         metrics.update(trainer.evaluate())
     if trainer.processes is None or trainer.processes.rank == 0:  # one summary per run, not per process
-        print(json.dumps({k: round(v, 4) for k, v in metrics.items() if not k.startswith("time/")}, indent=1))
+        # 4 significant digits, not 4 decimals: a learning rate of 1e-5 must not print as 0.0
+        summary = {k: float(f"{v:.4g}") for k, v in metrics.items() if not k.startswith("time/")}
+        print(json.dumps(summary, indent=1))
     if trainer.processes is not None:
         from comarl.distributed import finish
 
