@@ -389,6 +389,41 @@ def test_actor_update_is_the_gradient_of_the_hand_written_policy_loss(team):
         torch.testing.assert_close(g, e, atol=1e-6, rtol=1e-4)
 
 
+def test_discount_reaches_the_actor_critic_targets(team):
+    """Two turns paid 1 then 4, discount 0.5, lambda 1: every first-turn target is 1 + 0.5 * 4 = 3 (ignored: 5)."""
+    trainer = IACTrainer(
+        agents=team,
+        train_dataset=demo.dataset(),
+        reward_func=lambda a, b, prompts: [4.0 if p.startswith("again") else 1.0 for p in prompts[0]],
+        formatters=[demo.formatter(0), demo.formatter(1)],
+        transition=lambda item, completions, history: ["again", "again"],
+        args=IACConfig(
+            max_steps=1,
+            prompts_per_step=1,
+            num_generations=2,
+            max_new_tokens=2,
+            num_turns=2,
+            discount=0.5,
+            reward_call="batched",
+            progress_bar=False,
+            seed=0,
+        ),
+    )
+    targets = []
+    update = trainer.update_actor
+
+    def capture(i, gen, advantages, value_targets, old_values):
+        targets.append(value_targets.clone())
+        return update(i, gen, advantages, value_targets, old_values)
+
+    trainer.update_actor = capture
+    trainer.train()
+    assert len(targets) == 2
+    for t in targets:  # the root's G = 2 completions first, then the second turn's, paid 4 and done
+        torch.testing.assert_close(t[:2], torch.tensor([3.0, 3.0]))
+        torch.testing.assert_close(t[2:], torch.full_like(t[2:], 4.0))
+
+
 def test_value_head_reads_the_last_prompt_token_in_the_policy_forward(team):
     trainer = _trainer(IACTrainer, IACConfig, team)
     agent, head = trainer.team[0], trainer.value_heads[0]
