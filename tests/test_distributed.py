@@ -565,7 +565,7 @@ def test_shard_weights_on_shared_gpus_is_refused(qwen_bpe, monkeypatch):
     with pytest.raises(
         ConfigError,
         match=r"shard_weights=True with agents on GPUs needs NCCL, one GPU per process and every agent on a GPU; "
-        r"this run's process group is gloo \(agent_devices=\['cuda', 'cuda'\], 1 GPU\(s\) for 2 processes on "
+        r"this run's process group is gloo \(agent_devices=\['cuda', 'cuda'\], 1 GPU for 2 processes on "
         r"this machine\). Launch at most one process per GPU with every agent on a GPU, or set shard_weights=False",
     ):
         MAREINFORCETrainer(
@@ -588,6 +588,12 @@ def test_processes_outnumbering_the_gpus_share_them(monkeypatch):
     assert data.device(["cuda", "cpu"]) == ["cuda:0", "cpu"]
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     assert comarl.distributed.local_gpu(1) == "cuda:1"
+
+
+@pytest.mark.parametrize("count, words", [(0, "no GPU"), (1, "1 GPU"), (4, "4 GPUs")])
+def test_gpu_count_in_words(monkeypatch, count, words):
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    assert comarl.distributed._gpu_count() == words
 
 
 def test_data_parallel_checks(qwen_bpe, monkeypatch):

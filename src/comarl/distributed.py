@@ -235,8 +235,7 @@ def launch(
         raise ConfigError(
             f"shard_weights=True with agents on GPUs needs NCCL, one GPU per process and every agent on a GPU; this "
             f"run's process group is {dist.get_backend_config()} (agent_devices={list(devices)}, "
-            f"{torch.cuda.device_count()} GPU(s) for {os.environ.get('LOCAL_WORLD_SIZE', world)} processes on this "
-            "machine). Launch at most one process per GPU with every agent on a GPU, or set shard_weights=False "
+            f"{_gpu_count()} for {os.environ.get('LOCAL_WORLD_SIZE', world)} processes on this machine). Launch at most one process per GPU with every agent on a GPU, or set shard_weights=False "
             "(shard_optimizer=True still splits AdamW's state)"
         )
     if agent_parallel and not data_parallel and world != num_agents:
@@ -266,6 +265,12 @@ def launch(
 
 def _is_gpu(device: Any) -> bool:
     return str(device).startswith("cuda")
+
+
+def _gpu_count() -> str:
+    """How many GPUs this machine shows, in words for error messages ("no GPU", "1 GPU", "4 GPUs")."""
+    count = torch.cuda.device_count()
+    return "no GPU" if count == 0 else f"{count} GPU" + ("s" if count > 1 else "")
 
 
 def _process_group(launch_hint: str, devices: Sequence[str] = ()) -> Any:
