@@ -634,7 +634,10 @@ class MAGRPOTrainer:
             mask = scored[sl]
             with self._autocast(agent.device):
                 logp = agent.completion_logprobs(
-                    gen.prompt_ids[sl], gen.prompt_mask[sl], gen.completion_ids[sl], gen.completion_mask[sl],
+                    gen.prompt_ids[sl],
+                    gen.prompt_mask[sl],
+                    gen.completion_ids[sl],
+                    gen.completion_mask[sl],
                     args.temperature,
                 )
             behaviour = logp.detach() if old is None else old[sl]
