@@ -90,6 +90,9 @@ def test_counterfactual_baseline_with_three_samples_is_the_mean_of_the_other_two
     # joint (1, 2): agent 0's others are a = 0, 2 -> (2 + 8) / 2 = 5; agent 1's others b = 0, 1 -> (3 + 4) / 2
     k = 1 * 3 + 2
     assert base[k].tolist() == [5.0, 3.5]
+    # A = Q - b = G/(G-1) * (Q - mean of Q over the agent's G answers): agent 0 at (1, 2), Q = 5, mean (2+5+8)/3 = 5
+    # -> 0; agent 1 at (1, 2), Q = 5, mean (3+4+5)/3 = 4 -> 1.5 * 1
+    assert (q[k] - base[k]).tolist() == [0.0, 1.5]
 
 
 def test_value_head_computes_in_fp32_under_bf16_autocast():

@@ -138,6 +138,45 @@ def test_done_branches_get_no_children_and_the_transition_is_not_called_after_th
     assert rollout.terminal.tolist() == [[False, True], [True, True]]
 
 
+def test_success_counts_episodes_that_ended_not_branches_left_unexpanded():
+    """G=4 aligned, max_children=1, 2 turns. Turn 1: sample 0 succeeds and ends, samples 1-3 stay open and one of
+    them is expanded; turn 2 (the limit): all 4 succeed. 5 episodes ended, all successes: 1.0. The two open joint
+    actions without a child have no outcome (counting them as failures gave 5/7)."""
+    from comarl.trainers.magrpo import rollout_metrics
+
+    def reward(a, b, prompts):
+        return [float(p == "again" or x.endswith("s0")) for x, p in zip(a, prompts[0])]
+
+    def end_on_s0(item, completions, history):
+        return None if completions[0].endswith("s0") else ["again", "again"]
+
+    env = FunctionEnv(
+        reward,
+        lambda item: item["prompt"],
+        2,
+        reward_call="batched",
+        success_threshold=1.0,
+        transition=end_on_s0,
+        num_turns=2,
+    )
+    rollout = collect(
+        env,
+        fake_agents(2),
+        ITEMS[:1],
+        engine=CountingEngine(),
+        num_generations=4,
+        params=[SamplingParams()] * 2,
+        num_turns=2,
+        max_children=1,
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert rollout.depth.tolist() == [0, 1]
+    assert int(rollout.terminal[0].sum()) == 3  # s0 ended, two open joint actions were not expanded
+    metrics = rollout_metrics(rollout)
+    assert metrics["success"] == 1.0
+    assert metrics["solved_turn"] == pytest.approx((1 + 4 * 2) / 5)
+
+
 class InPlaceTarget(Env):
     """reset changes a dict made in __init__ in place: the items' episodes must not share it."""
 

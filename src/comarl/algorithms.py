@@ -213,7 +213,8 @@ def clipped_surrogate(
     ``advantages`` is per sequence ``[B]`` (broadcast over tokens) or per token ``[B, T]``.
     With ``old_logprobs = logprobs.detach()`` (a batch used once) the ratio is 1 and the gradient is
     the plain REINFORCE gradient ``-A * grad logp``. Where ``mask`` is 0 (after EOS) the ratio is 1
-    with no gradient (as in :func:`kl_k3`, no overflowing exponential there).
+    with no gradient (as in :func:`kl_k3`, no overflowing exponential there). The second output marks the
+    tokens whose gradient the clip removes (``clipped < unclipped``), the ``clip_fraction`` metric.
     """
     if epsilon_high is None:
         epsilon_high = epsilon
@@ -331,8 +332,9 @@ def counterfactual_baseline(
 
         b_i(a^k) = 1/(G-1) * sum_{j != a^k_i} Q_i(s, (a^k_{-i}, j))
 
-    It does not depend on agent i's own answer, so ``Q_i(s, a) - b_i`` is an unbiased advantage
-    for agent i (Foerster et al., 2018, with the G samples as the counterfactual actions).
+    It uses only agent i's *other* samples (leave-one-out), drawn independently of ``a^k_i``, so
+    ``Q_i(s, a) - b_i`` is an unbiased advantage for agent i (Foerster et al., 2018, with the G samples as the
+    counterfactual actions); it equals ``G/(G-1) * (Q_i(s, a) - mean_j Q_i(s, (a^k_{-i}, j)))``.
     """
     K, N = joint_index.shape
     G = num_generations

@@ -977,7 +977,8 @@ def rollout_values(rollout: Rollout) -> dict[str, torch.Tensor]:
     """The samples behind each team-level metric (flattened; averaged by the caller).
 
     - ``reward``: team return of every joint action at the first turn (= the reward when single-turn);
-    - ``success``: success of every joint action that ended a branch (done, last turn, or not expanded);
+    - ``success``: success of every joint action whose episode ended (done, or at the turn limit); a joint action
+      left open without a child (``max_children``, ``max_nodes``) has no outcome and is not counted;
     - ``reward/<name>``: each reward function's value on every joint action;
     - multi-turn: ``turn_t/reward`` immediate team reward at turn t, ``solved_turn`` the turn of each success.
       Every turn up to the limit has its key, empty where no episode reached it: a rollout whose episodes all
@@ -987,9 +988,9 @@ def rollout_values(rollout: Rollout) -> dict[str, torch.Tensor]:
     root = rollout.depth == 0
     team_returns = rollout.node_returns.mean(dim=-1)  # [nodes, K]
     values = {"reward": team_returns[root].flatten()}
+    ended = rollout.done.bool() | (rollout.depth == rollout.num_turns - 1).unsqueeze(1)
     if rollout.success is not None:
-        terminal = rollout.terminal.bool()
-        values["success"] = rollout.success[terminal]
+        values["success"] = rollout.success[ended]
     for name, comp in rollout.components.items():
         values[f"reward/{name}"] = comp.flatten()
     N = rollout.rewards.shape[-1]
@@ -1001,7 +1002,7 @@ def rollout_values(rollout: Rollout) -> dict[str, torch.Tensor]:
         for t in range(rollout.num_turns):
             values[f"turn_{t + 1}/reward"] = team_rewards[rollout.depth == t].flatten()
         if rollout.success is not None:
-            solved = rollout.terminal.bool() & rollout.success.bool()
+            solved = ended & rollout.success.bool()
             depth = rollout.depth.unsqueeze(1).expand_as(solved)
             values["solved_turn"] = (depth[solved] + 1).float()
     return values
