@@ -2,7 +2,8 @@
 # Set up comarl in ./.venv and run the demo or the test suite.
 #   ./run.sh demo [comarl demo options]   train two tiny agents to coordinate (offline, CPU)
 #   ./run.sh test [pytest options]        run the whole test suite (2 pytest-xdist workers; -n 0 for one process)
-# torch is installed only when the venv lacks it, pinned to the CPU build this machine carries;
+# torch is installed only when the venv lacks it, as torch==2.13.0 from pip's indexes (the CPU build
+# where the index serves it, as here; PyPI's default elsewhere is a CUDA build, see README);
 # a torch you installed into .venv yourself (e.g. a CUDA build) is left alone.
 set -euo pipefail
 cd "$(dirname "$0")"

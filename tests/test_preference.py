@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from comarl import ConfigError, MADPOConfig, MADPOTrainer, MARLHFConfig, MARLHFTrainer
+from comarl.agents import Agent
 from comarl.algorithms import dpo_margins, preference_loss, preference_pairs, sequence_logprobs
 from comarl.critics import joint_observation
 from comarl.tasks import demo
@@ -233,6 +234,24 @@ def test_madpo_initial_candidates_are_sampled_once_and_carry_the_reference(qwen_
     assert len(trainer.candidates) == len(DATA)
     samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
     assert samples[0]["rewards"][0] > samples[0]["rewards"][1]
+
+
+def test_madpo_cached_reference_stays_on_the_cpu_with_the_policy_logprobs(qwen_bpe, tmp_path, monkeypatch):
+    """_sequence_logprobs returns the policy's log-probs on the CPU, so the cached reference must stay there too:
+    moved to an agent's GPU it met CPU log-probs in dpo_margins and the step crashed. The agent is made to report
+    another device (meta) to see where the reference goes."""
+    trainer = MADPOTrainer(
+        model=qwen_bpe,
+        num_agents=2,
+        train_dataset=DATA,
+        reward_func=CountingReward(),
+        args=madpo_args(max_steps=1, output_dir=str(tmp_path)),
+    )
+    trainer.train()
+    monkeypatch.setattr(Agent, "device", property(lambda self: torch.device("meta")))
+    generations, _, ref = trainer._cached([0, 1])
+    assert generations[0].completion_ids.device.type == "meta"  # the candidates go to the agent's device
+    assert [r.device.type for r in ref] == ["cpu", "cpu"]
 
 
 def test_madpo_resumes_with_its_candidates(qwen_bpe, tmp_path):

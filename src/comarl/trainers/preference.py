@@ -253,7 +253,7 @@ class MADPOTrainer(MAGRPOTrainer):
         self, indices: Sequence[int]
     ) -> tuple[list[Generation | None], torch.Tensor, list[Any] | None]:
         """The cached candidates of dataset items ``indices`` (on the CPU), stacked as one step's batch on each
-        agent's device."""
+        agent's device. The reference log-probs stay on the CPU, where ``_sequence_logprobs`` puts the policy's."""
         parts = [self.candidates[j] for j in indices]  # type: ignore[index]
         generations: list[Generation | None] = [None] * self.num_agents
         for i in self.local:
@@ -263,7 +263,7 @@ class MADPOTrainer(MAGRPOTrainer):
         ref = None
         if self.args.dpo_reference == "initial":
             ref = [
-                torch.cat([p["ref"][i] for p in parts]).to(self.team[i].device) if i in self.local else None
+                torch.cat([p["ref"][i] for p in parts]).float().cpu() if i in self.local else None
                 for i in range(self.num_agents)
             ]
         return generations, torch.stack([p["rewards"] for p in parts]), ref
