@@ -654,3 +654,38 @@ def test_process_group_ends_cleanly_and_finish_leaves_with_its_status(tmp_path):
         )
         assert (done.returncode, done.stdout) == (code, printed), done.stderr
         assert "Traceback" not in done.stderr, done.stderr
+
+
+class _TwoIdenticalProcesses:
+    """A torch.distributed stand-in for two processes holding the same gradients: all_reduce doubles the tensor.
+    It records the size of every collective."""
+
+    def __init__(self) -> None:
+        self.sizes: list[int] = []
+
+    def all_reduce(self, tensor: torch.Tensor, group=None) -> None:  # noqa: ANN001
+        self.sizes.append(tensor.numel())
+        tensor.mul_(2)
+
+
+def test_gradient_sum_is_in_place_through_bounded_buckets():
+    """all_reduce_grads writes the sums into the gradients it was given (no second copy of every gradient), one
+    collective per bucket of at least bucket_elements values, and a parameter without a gradient gets the sum."""
+    params = [torch.nn.Parameter(torch.zeros(n)) for n in (3, 4, 5, 2)]
+    for k, p in enumerate(params[:3]):
+        p.grad = torch.arange(p.numel(), dtype=torch.float) + k
+    before = [p.grad for p in params[:3]]
+    dist = _TwoIdenticalProcesses()
+    comarl.distributed.Processes(dist, rank=0, world_size=2).all_reduce_grads(params, bucket_elements=6)
+    assert dist.sizes == [7, 7]  # (3 + 4) >= 6, then 5 + 2
+    assert all(p.grad is g for p, g in zip(params, before))
+    assert params[1].grad.tolist() == [2.0, 4.0, 6.0, 8.0]  # 2 x (arange(4) + 1)
+    assert params[2].grad.tolist() == [4.0, 6.0, 8.0, 10.0, 12.0]
+    assert params[3].grad.tolist() == [0.0, 0.0]
+    dist.sizes.clear()
+    comarl.distributed.Processes(dist, rank=0, world_size=2).all_reduce_grads(params)
+    assert dist.sizes == [14] and params[0].grad.tolist() == [
+        0.0,
+        4.0,
+        8.0,
+    ]  # one collective for a small model

@@ -67,15 +67,24 @@ class Processes:
         parts = self.gather(values)
         return {k: sum(part[k] for part in parts) for k in values}
 
-    def all_reduce_grads(self, params: Sequence[torch.Tensor]) -> None:
-        """Sum every parameter's gradient over the processes, in one flat buffer (one collective per call)."""
-        grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-        flat = torch.cat([g.reshape(-1) for g in grads])
-        self._dist.all_reduce(flat, group=self.group)
-        offset = 0
-        for p, g in zip(params, grads):
-            p.grad = flat[offset : offset + g.numel()].view_as(g).clone()
-            offset += g.numel()
+    def all_reduce_grads(self, params: Sequence[torch.Tensor], bucket_elements: int = 1 << 25) -> None:
+        """Sum every parameter's gradient over the processes, in place, through flat buckets of about
+        ``bucket_elements`` values (one collective per bucket; one for a small model). A bucket bounds the extra
+        memory to its own size: one flat copy of every gradient would double the gradients' memory."""
+        for p in params:
+            if p.grad is None:  # another process may have a gradient for it
+                p.grad = torch.zeros_like(p)
+        bucket: list[torch.Tensor] = []
+        for k, p in enumerate(params):
+            bucket.append(p.grad)
+            if k == len(params) - 1 or sum(g.numel() for g in bucket) >= bucket_elements:
+                flat = torch.cat([g.reshape(-1) for g in bucket])
+                self._dist.all_reduce(flat, group=self.group)
+                offset = 0
+                for g in bucket:
+                    g.copy_(flat[offset : offset + g.numel()].view_as(g))
+                    offset += g.numel()
+                bucket = []
 
 
 class AgentParallel(Processes):
