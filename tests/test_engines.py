@@ -7,7 +7,13 @@ import torch
 from transformers import GenerationConfig
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from comarl.agents import Agent, _cache_argument, _checkpointing, _shared_prompts
+from comarl.agents import (
+    Agent,
+    _cache_argument,
+    _shared_prompts,
+    checkpointing_on,
+    set_activation_checkpointing,
+)
 from comarl.engines import HFEngine, SamplingParams, next_tokens, sampling_scores
 
 PROMPTS = ["a", "def add(a, b): return a", "alice and bob meet at the"]
@@ -130,10 +136,10 @@ def test_gradient_checkpointing_takes_the_plain_forward(qwen_bpe):
     gen = HFEngine().generate(agent, PROMPTS, 2, SamplingParams(max_new_tokens=5))
     args = (gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask)
     shared = agent.completion_logprobs(*args).detach()
-    assert not _checkpointing(agent.model)
-    agent.model.gradient_checkpointing_enable()
+    assert not checkpointing_on(agent.model)
+    set_activation_checkpointing(agent.model, True)
     agent.model.train()
-    assert _checkpointing(agent.model)
+    assert checkpointing_on(agent.model)
     checkpointed = agent.completion_logprobs(*args)
     torch.testing.assert_close(checkpointed.detach(), shared, atol=1e-5, rtol=1e-4)
 
@@ -144,3 +150,37 @@ def test_gradient_checkpointing_takes_the_plain_forward(qwen_bpe):
 )
 def test_cache_argument_follows_the_transformers_rename(version, name):
     assert _cache_argument(version) == name
+
+
+def test_kl_reference_of_a_checkpointed_agent_keeps_the_shared_prompt_path(qwen_bpe):
+    """The reference copy is made after the agent turns activation checkpointing on; it never runs a backward, so
+    it turns it off and scores completions on the shared-prompt path (one prompt forward per group)."""
+    import comarl
+
+    trainer = comarl.MAGRPOTrainer(
+        model=qwen_bpe,
+        num_agents=1,
+        reward_func=lambda completions, **_: [0.0] * len(completions),
+        train_dataset=[{"prompt": "a b"}],
+        args=comarl.MAGRPOConfig(beta=0.1, gradient_checkpointing=True, prompts_per_step=1, report_to=[]),
+    )
+    assert checkpointing_on(trainer.team[0].model)
+    assert not checkpointing_on(trainer.references[0])
+
+
+@pytest.mark.parametrize(
+    ("version", "called"),
+    [("5.22.0", "gradient_checkpointing_enable"), ("5.23.0", "activation_checkpointing_enable")],
+)
+def test_checkpointing_follows_the_transformers_rename(version, called):
+    """transformers 5.23 renamed gradient_checkpointing_enable to activation_checkpointing_enable; the old name
+    warns (FutureWarning) until v6, and older releases lack the new one."""
+    calls = []
+
+    class Model:
+        def __getattr__(self, name):  # noqa: ANN001, ANN204
+            return lambda: calls.append(name)
+
+    set_activation_checkpointing(Model(), True, version)
+    set_activation_checkpointing(Model(), False, version)
+    assert calls == [called, called.replace("enable", "disable")]

@@ -26,6 +26,14 @@ def _cache_argument(transformers_version: str) -> str:
 CACHE_ARGUMENT = _cache_argument(version("transformers"))
 
 
+def set_activation_checkpointing(model: Any, on: bool, transformers_version: str | None = None) -> None:
+    """Turn activation checkpointing on or off: ``activation_checkpointing_enable`` / ``_disable`` from
+    transformers 5.23 on, ``gradient_checkpointing_*`` before (5.23 renamed them; the old names warn until v6)."""
+    major, minor = (int(part) for part in (transformers_version or version("transformers")).split(".")[:2])
+    prefix = "activation" if (major, minor) >= (5, 23) else "gradient"
+    getattr(model, f"{prefix}_checkpointing_{'enable' if on else 'disable'}")()
+
+
 class Agent:
     """One policy of the team.
 
@@ -154,7 +162,7 @@ class Agent:
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
         shared = (
             _shared_prompts(prompt_ids, prompt_mask)
-            if not (_checkpointing(model) or _sharded(model))
+            if not (checkpointing_on(model) or _sharded(model))
             else None
         )
         if shared is None:
@@ -213,7 +221,7 @@ def _shared_prompts(
     return first, row_to_prompt
 
 
-def _checkpointing(model: Any) -> bool:
+def checkpointing_on(model: Any) -> bool:
     """Whether activation checkpointing is on (transformers then drops the KV cache in training forwards)."""
     return any(getattr(module, "gradient_checkpointing", False) is True for module in model.modules())
 

@@ -25,7 +25,16 @@ from typing import Any
 
 import torch
 
-from comarl.agents import Agent, Team, WithoutAdapters, add_lora, has_adapters, shared_base_lora
+from comarl.agents import (
+    Agent,
+    Team,
+    WithoutAdapters,
+    add_lora,
+    checkpointing_on,
+    has_adapters,
+    set_activation_checkpointing,
+    shared_base_lora,
+)
 from comarl.algorithms import (
     aggregate_loss,
     clipped_surrogate,
@@ -226,7 +235,7 @@ class MAGRPOTrainer:
                     for other in self.team:
                         other.model = agent.model
             if args.gradient_checkpointing:
-                agent.model.gradient_checkpointing_enable()
+                set_activation_checkpointing(agent.model, True)
             agent.model.train()
             # Each agent samples from its own stream, seeded by its index: the same draws whether the team runs in
             # one process or one process per agent, and no random numbers shared between agents. Data shards
@@ -1233,6 +1242,9 @@ def _reference(model: Any) -> Any:
     if has_adapters(model):
         return WithoutAdapters(model)
     ref = copy.deepcopy(model)
+    if checkpointing_on(ref):
+        # The copy never runs a backward: checkpointing would only cost it the shared-prompt KV cache.
+        set_activation_checkpointing(ref, False)
     ref.eval()
     for p in ref.parameters():
         p.requires_grad_(False)
