@@ -7,6 +7,7 @@ import pytest
 
 from comarl.config import (
     ConfigError,
+    MADPOConfig,
     MAGRPOConfig,
     MAREINFORCEConfig,
     MAReMaxConfig,
@@ -148,6 +149,63 @@ def test_parallel_training_alias():
 def test_validation_errors_name_the_field(kwargs, message):
     with pytest.raises(ConfigError, match=message):
         MAGRPOConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        # a negative norm would reverse every clipped gradient; 0 would zero them
+        (
+            {"max_grad_norm": -1.0},
+            r"max_grad_norm=-1.0: must be a finite number > 0 \(or None for no clipping\)",
+        ),
+        ({"max_grad_norm": 0}, r"max_grad_norm=0: must be a finite number > 0"),
+        ({"weight_decay": -0.1}, r"weight_decay=-0.1: must be a finite number >= 0"),
+        ({"adam_beta1": 2}, r"adam_beta1=2: must be in \[0, 1\)"),
+        ({"adam_beta2": 1.0}, r"adam_beta2=1.0: must be in \[0, 1\)"),
+        ({"adam_epsilon": 0.0}, r"adam_epsilon=0.0: must be a finite number > 0"),
+        ({"top_k": -3}, r"top_k=-3: must be >= 0 \(0 or None = off\)"),
+        ({"eval_num_samples": 0}, r"eval_num_samples=0: must be >= 1 \(or None for all\)"),
+        ({"lora_alpha": 0}, r"lora_alpha=0: must be a finite number > 0"),
+        ({"success_threshold": float("nan")}, r"success_threshold=nan: must be a finite number \(or None\)"),
+        (
+            {"reward_weights": [1.0, float("inf")]},
+            r"reward_weights=\[1.0, inf\]: every weight must be a finite",
+        ),
+    ],
+)
+def test_range_errors_name_the_field(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        MAGRPOConfig(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        # each of these reached a comparison or the trainer and failed there, with no field named
+        ({"top_p": "abc"}, r"^top_p='abc': must be a number$"),
+        ({"max_steps": "abc"}, r"^max_steps='abc': must be an integer$"),
+        ({"seed": 1.5}, r"^seed=1.5: must be an integer$"),
+        ({"temperature": True}, r"^temperature=True: must be a number$"),
+        ({"progress_bar": "no"}, r"^progress_bar='no': must be true or false$"),
+        ({"frozen_agents": 1}, r"^frozen_agents=1: must be a list of integers$"),
+        ({"reward_weights": 3}, r"^reward_weights=3: must be a list of numbers or null$"),
+        ({"success_threshold": "abc"}, r"^success_threshold='abc': must be a number or null$"),
+        ({"agent_devices": 0}, r"^agent_devices=0: must be a list of strings or a string or null$"),
+        (
+            {"advantage_normalization": "yes"},
+            r"^advantage_normalization='yes': must be true or false or null$",
+        ),
+    ],
+)
+def test_type_errors_name_the_field(kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        MAGRPOConfig(**kwargs)
+
+
+def test_subclass_fields_are_type_checked_too():
+    with pytest.raises(ConfigError, match=r"^dpo_beta='x': must be a number$"):
+        MADPOConfig(dpo_beta="x")
 
 
 def test_micro_batch_rows_follow_the_token_budget():
@@ -315,8 +373,23 @@ def test_unknown_top_level_key(tmp_path):
 def test_unknown_field_inside_args(tmp_path):
     path = tmp_path / "run.yaml"
     path.write_text(SPEC + "  nonsense: 1\n")
-    with pytest.raises(ConfigError, match="nonsense"):
+    with pytest.raises(
+        ConfigError, match=r"^args.nonsense: unknown marloo field \(see `comarl fields marloo`\)$"
+    ):
         load_run_spec(path)
+
+
+def test_cli_bad_values_are_one_line_errors_with_exit_2(spec_path, capsys):
+    """A bad value stops `comarl train` before any model loads: one line naming the field, exit status 2."""
+    from comarl.cli import main
+
+    for override, message in [
+        ("args.top_p=abc", "top_p='abc': must be a number"),
+        ("args.max_grad_norm=-1", "max_grad_norm=-1: must be a finite number > 0 (or None for no clipping)"),
+        ("num_agents=two", "num_agents='two': must be an integer"),
+    ]:
+        assert main(["train", str(spec_path), "--set", override]) == 2
+        assert capsys.readouterr().err == f"comarl: error: {message}\n"
 
 
 def test_run_spec_without_file_uses_defaults():
@@ -349,3 +422,17 @@ def test_package_import_is_light():
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
+
+
+def test_cli_output_into_a_closed_pipe_ends_without_a_traceback():
+    """`comarl fields magrpo | head -1`: the reader leaves before comarl has written; comarl stops quietly."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "comarl", "fields", "magrpo"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    proc.stdout.close()  # closed before the child writes a byte: its first flush meets a broken pipe
+    stderr = proc.stderr.read()
+    assert proc.wait(timeout=60) == 1
+    assert stderr == ""

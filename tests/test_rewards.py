@@ -5,6 +5,7 @@ import re
 
 import pytest
 
+from comarl.config import ConfigError
 from comarl.envs import FunctionEnv, RewardFunction, RewardFunctionError, StepResult
 
 ITEM_X = {"q": "x", "answer": 3}
@@ -268,7 +269,7 @@ def test_lambdas_are_named_by_position():
 
 def test_reward_weights_length_mismatch():
     with pytest.raises(
-        RewardFunctionError, match="reward_weights has 1 values but there are 2 reward functions"
+        ConfigError, match="reward_weights has 1 values but there are 2 reward functions: give one weight per"
     ):
         FunctionEnv([lengths, lengths], FORMATTERS, num_agents=2, reward_weights=[1.0])
 

@@ -693,3 +693,34 @@ def test_trainer_discount_reaches_the_returns(qwen_bpe):
     )
     rollout = trainer._collect(DATA[:1])
     torch.testing.assert_close(rollout.returns[0][0], torch.tensor([3.0, 3.0]))
+
+
+def test_a_model_object_is_agent_0_and_the_others_train_copies(qwen_bpe):
+    """model= given as an object: agent 0 trains that object in place (as TRL does), every other agent a deep copy
+    with the same starting weights (docs/comlrl.md)."""
+    model = AutoModelForCausalLM.from_pretrained(qwen_bpe)
+    trainer = MAGRPOTrainer(
+        model=model,
+        tokenizer=AutoTokenizer.from_pretrained(qwen_bpe),
+        num_agents=3,
+        train_dataset=DATA,
+        reward_func=lambda a, b, c: [0.0] * len(a),
+        args=MAGRPOConfig(num_generations=2, prompts_per_step=2, max_new_tokens=4, progress_bar=False),
+    )
+    models = [agent.model for agent in trainer.team]
+    assert models[0] is model and models[1] is not model and models[2] is not models[1]
+    assert all(torch.equal(p, q) for p, q in zip(models[0].parameters(), models[2].parameters()))
+
+
+def test_a_device_name_torch_does_not_know_is_a_config_error(qwen_bpe):
+    with pytest.raises(
+        ConfigError,
+        match=r"^agent_devices: 'gpu' is not a torch device; use e.g. 'cpu', 'cuda', 'cuda:1' or 'mps'$",
+    ):
+        MAGRPOTrainer(
+            model=qwen_bpe,
+            num_agents=2,
+            train_dataset=DATA,
+            reward_func=length_reward,
+            args=MAGRPOConfig(agent_devices=["cpu", "gpu"], prompts_per_step=2),
+        )

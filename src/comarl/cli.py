@@ -114,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as exc:
         print(f"comarl: error: {exc}", file=sys.stderr)
         return 2
+    except BrokenPipeError:  # the reader left early (`comarl fields magrpo | head`): no traceback
+        # Python flushes stdout again at exit; point it at devnull so that flush cannot fail too.
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+        return 1
 
 
 def _plot(args: argparse.Namespace) -> int:

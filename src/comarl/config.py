@@ -23,6 +23,61 @@ def _help(text: str, **kwargs: Any) -> Any:
     return field(metadata={"help": text}, **kwargs)
 
 
+def _matches(value: Any, annotation: str) -> bool:
+    """Whether ``value`` has a type the field annotation ``annotation`` allows (``int | None``, ``list[str]``, ...).
+    An int is a float; a bool is neither."""
+    for option in annotation.split(" | "):
+        if option == "Any" or (option == "None" and value is None):
+            return True
+        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        if (
+            (option == "bool" and isinstance(value, bool))
+            or (option == "int" and number and isinstance(value, int))
+            or (option == "float" and number)
+            or (option == "str" and isinstance(value, str))
+            or (option.startswith("dict[") and isinstance(value, dict))
+        ):
+            return True
+        if (
+            option.startswith("list[")
+            and isinstance(value, (list, tuple))
+            and all(_matches(v, option[5:-1]) for v in value)
+        ):
+            return True
+    return False
+
+
+_TYPE_WORDS = {
+    "bool": "true or false",
+    "int": "an integer",
+    "float": "a number",
+    "str": "a string",
+    "None": "null",
+}
+
+
+def _type_words(annotation: str) -> str:
+    """``int | None`` -> 'an integer or null'; ``list[str]`` -> 'a list of a string'."""
+    words = []
+    for option in annotation.split(" | "):
+        if option.startswith("list["):
+            words.append(f"a list of {_type_words(option[5:-1]).removeprefix('a ').removeprefix('an ')}s")
+        elif option.startswith("dict["):
+            words.append("a mapping")
+        else:
+            words.append(_TYPE_WORDS.get(option, option))
+    return " or ".join(words)
+
+
+def check_field_types(config: Any) -> None:
+    """Raise ConfigError naming the first field of dataclass ``config`` whose value its annotation does not allow,
+    before any range check compares it (``'abc' < 1`` would fail with no field named)."""
+    for f in dataclasses.fields(config):
+        value = getattr(config, f.name)
+        if isinstance(f.type, str) and not _matches(value, f.type):
+            raise ConfigError(f"{f.name}={value!r}: must be {_type_words(f.type)}")
+
+
 # What agent_settings may set per agent: sampling, the update's micro-batches and the learning rate.
 AGENT_SETTINGS = (
     "learning_rate",
@@ -349,6 +404,20 @@ class MAGRPOConfig:
         reference_kl_coef: float | None,
         parallel_training: str | None,
     ) -> None:
+        comlrl = {
+            "per_device_train_batch_size": per_device_train_batch_size,
+            "rollout_buffer_size": rollout_buffer_size,
+            "agent_learning_rate": agent_learning_rate,
+            "advantage_mode": advantage_mode,
+            "advantage_normalization": advantage_normalization,
+            "reference_kl_enabled": reference_kl_enabled,
+            "reference_kl_coef": reference_kl_coef,
+            "parallel_training": parallel_training,
+        }
+        for name, value in comlrl.items():
+            annotation = MAGRPOConfig.__annotations__[name].removeprefix("InitVar[").removesuffix("]")
+            if not _matches(value, annotation):
+                raise ConfigError(f"{name}={value!r}: must be {_type_words(annotation)}")
         batch_sizes = {v for v in (per_device_train_batch_size, rollout_buffer_size) if v is not None}
         if len(batch_sizes) > 1:
             raise ConfigError(
@@ -381,6 +450,9 @@ class MAGRPOConfig:
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
         """Check every field on its own and the batch arithmetic; raise ConfigError naming the field."""
+        if isinstance(self.report_to, str):  # report_to="wandb" / "none", as in transformers
+            self.report_to = [] if self.report_to == "none" else [self.report_to]
+        check_field_types(self)
         positive = (
             "num_train_epochs",
             "prompts_per_step",
@@ -411,6 +483,31 @@ class MAGRPOConfig:
             value = getattr(self, name)
             if not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
                 raise ConfigError(f"{name}={value!r}: must be a finite number > 0")
+        if self.max_grad_norm is not None and not (
+            self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)
+        ):
+            raise ConfigError(
+                f"max_grad_norm={self.max_grad_norm!r}: must be a finite number > 0 (or None for no clipping)"
+            )
+        if not (self.weight_decay >= 0 and math.isfinite(self.weight_decay)):
+            raise ConfigError(f"weight_decay={self.weight_decay!r}: must be a finite number >= 0")
+        for name in ("adam_beta1", "adam_beta2"):
+            if not 0 <= getattr(self, name) < 1:
+                raise ConfigError(f"{name}={getattr(self, name)!r}: must be in [0, 1)")
+        if not (self.adam_epsilon > 0 and math.isfinite(self.adam_epsilon)):
+            raise ConfigError(f"adam_epsilon={self.adam_epsilon!r}: must be a finite number > 0")
+        if self.top_k is not None and self.top_k < 0:
+            raise ConfigError(f"top_k={self.top_k!r}: must be >= 0 (0 or None = off)")
+        if self.eval_num_samples is not None and self.eval_num_samples < 1:
+            raise ConfigError(f"eval_num_samples={self.eval_num_samples!r}: must be >= 1 (or None for all)")
+        if not (self.lora_alpha > 0 and math.isfinite(self.lora_alpha)):
+            raise ConfigError(f"lora_alpha={self.lora_alpha!r}: must be a finite number > 0")
+        for name in ("success_threshold", "early_termination_threshold"):
+            value = getattr(self, name)
+            if value is not None and not math.isfinite(value):
+                raise ConfigError(f"{name}={value!r}: must be a finite number (or None)")
+        if self.reward_weights is not None and not all(math.isfinite(w) for w in self.reward_weights):
+            raise ConfigError(f"reward_weights={self.reward_weights!r}: every weight must be a finite number")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p={self.top_p!r}: must be in (0, 1]")
         if not 0 <= self.discount <= 1:
@@ -447,8 +544,6 @@ class MAGRPOConfig:
                 f"micro_batch_size={self.micro_batch_size}: must divide the completions each agent trains on per "
                 f"step, prompts_per_step x num_generations = {self.prompts_per_step} x {G} = {completions}"
             )
-        if isinstance(self.report_to, str):  # report_to="wandb" / "none", as in transformers
-            self.report_to = [] if self.report_to == "none" else [self.report_to]
         unknown = [sink for sink in self.report_to if sink not in ("tensorboard", "wandb", "trackio")]
         if unknown:
             raise ConfigError(
@@ -1021,6 +1116,16 @@ class RunSpec:
                 raise ConfigError("task='function' needs reward_funcs: a list of 'module:function' names")
             if not self.model and not self.agents:
                 raise ConfigError("task='function' needs model: (a hub id or path) or agents: [...]")
+        if not isinstance(self.args, dict):
+            raise ConfigError(
+                f"args={self.args!r}: must be a mapping of {self.trainer} fields, e.g. {{max_steps: 10}}"
+            )
+        unknown = sorted(set(self.args) - trainer_fields(self.trainer))
+        if unknown:
+            raise ConfigError(
+                f"args.{unknown[0]}: unknown {self.trainer} field (see `comarl fields {self.trainer}`)"
+            )
+        check_field_types(self)
         config_class(self.trainer)(**self.args)  # validates args now, with the field names in the errors
 
     def trainer_args(self) -> MAGRPOConfig:
@@ -1040,6 +1145,17 @@ def config_class(trainer: str) -> type[MAGRPOConfig]:
         "madpo": MADPOConfig,
         "marlhf": MARLHFConfig,
     }[trainer]
+
+
+def trainer_fields(trainer: str) -> set[str]:
+    """The names a ``trainer``'s args take: its config's fields and the CoMLRL spellings mapped onto them."""
+    cls = config_class(trainer)
+    initvars = {name for name, kind in cls.__annotations__.items() if "InitVar" in str(kind)}
+    for base in cls.__mro__[1:]:
+        initvars |= {
+            name for name, kind in getattr(base, "__annotations__", {}).items() if "InitVar" in str(kind)
+        }
+    return {f.name for f in dataclasses.fields(cls)} | initvars
 
 
 def yaml_load(text: str) -> Any:
@@ -1070,16 +1186,7 @@ def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]
     trainer = raw.get("trainer", "magrpo")
     if trainer not in TRAINERS:
         raise ConfigError(f"trainer={trainer!r}: choose one of {list(TRAINERS)}")
-    arg_fields = {f.name for f in dataclasses.fields(config_class(trainer))} | {
-        "per_device_train_batch_size",
-        "rollout_buffer_size",
-        "agent_learning_rate",
-        "advantage_mode",
-        "advantage_normalization",
-        "reference_kl_enabled",
-        "reference_kl_coef",
-        "parallel_training",
-    }
+    arg_fields = trainer_fields(trainer)
     raw = {**raw, "args": dict(raw.get("args") or {})}
     for item in overrides:
         if "=" not in item:

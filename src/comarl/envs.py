@@ -24,6 +24,8 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
+from comarl.config import ConfigError
+
 Item = Mapping[str, Any]
 
 
@@ -246,8 +248,9 @@ def reward_functions(
     if not funcs:
         raise RewardFunctionError("reward_func: give at least one reward function")
     if weights is not None and len(weights) != len(funcs):
-        raise RewardFunctionError(
-            f"reward_weights has {len(weights)} values but there are {len(funcs)} reward functions"
+        raise ConfigError(
+            f"reward_weights has {len(weights)} values but there are {len(funcs)} reward functions: give one "
+            "weight per function"
         )
     wrapped, seen = [], set()
     for i, func in enumerate(funcs):

@@ -1133,7 +1133,7 @@ def _team_sources(model: Any, agent_model: Any, agents: Any, team: Any, num_agen
     if n < 1:
         raise ConfigError(f"num_agents={n}: must be >= 1")
     if not isinstance(base, (str, Path)) and n > 1:
-        # One object cannot be n distinct agents: each agent gets its own deep copy.
+        # One object cannot be n distinct agents: agent 0 trains it in place, the others train deep copies.
         return [base] + [copy.deepcopy(base) for _ in range(n - 1)]
     return [base] * n
 
@@ -1225,9 +1225,14 @@ def _agent_devices(spec: Any, n: int) -> list[str]:
     if spec is None or spec == "auto":
         gpus = torch.cuda.device_count()
         return [f"cuda:{i % gpus}" for i in range(n)] if gpus else ["cpu"] * n
-    if isinstance(spec, str):
-        return [spec] * n
-    spec = list(spec)
+    spec = [spec] if isinstance(spec, str) else list(spec)
+    for device in spec:
+        try:
+            torch.device(device)
+        except RuntimeError:
+            raise ConfigError(
+                f"agent_devices: {device!r} is not a torch device; use e.g. 'cpu', 'cuda', 'cuda:1' or 'mps'"
+            ) from None
     if len(spec) == 1:
         return spec * n
     if len(spec) != n:
