@@ -330,7 +330,9 @@ def test_agent_settings_errors(qwen_bpe):
         ConfigError, match=r"agent_settings\[0\]: min_new_tokens=9 > max_new_tokens=6: lower min_new_tokens"
     ):
         small_args(agent_settings=[{"min_new_tokens": 9}])
-    with pytest.raises(ConfigError, match="give a list with one dict per agent"):
+    with pytest.raises(
+        ConfigError, match=r"^agent_settings=\{'temperature': 0.5\}: must be a list of mappings or null$"
+    ):
         small_args(agent_settings={"temperature": 0.5})
     with pytest.raises(ConfigError, match="share_weights=True trains one model with one optimizer"):
         small_args(share_weights=True, agent_settings=[{"learning_rate": 0.1}, {}])

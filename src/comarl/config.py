@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from dataclasses import InitVar, dataclass, field
 from pathlib import Path
 from typing import Any
@@ -29,10 +30,10 @@ def _matches(value: Any, annotation: str) -> bool:
     for option in annotation.split(" | "):
         if option == "Any" or (option == "None" and value is None):
             return True
-        number = isinstance(value, (int, float)) and not isinstance(value, bool)
+        number = isinstance(value, numbers.Real) and not isinstance(value, bool)  # numpy scalars too
         if (
             (option == "bool" and isinstance(value, bool))
-            or (option == "int" and number and isinstance(value, int))
+            or (option == "int" and number and isinstance(value, numbers.Integral))
             or (option == "float" and number)
             or (option == "str" and isinstance(value, str))
             or (option.startswith("dict[") and isinstance(value, dict))
@@ -466,7 +467,7 @@ class MAGRPOConfig:
         )
         for name in positive:
             value = getattr(self, name)
-            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            if value < 1:
                 raise ConfigError(f"{name}={value!r}: must be an integer >= 1")
         for name in (
             "warmup_steps",
@@ -477,11 +478,11 @@ class MAGRPOConfig:
             "alternate_agents_every",
         ):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 0:
+            if value < 0:
                 raise ConfigError(f"{name}={value!r}: must be an integer >= 0")
         for name in ("learning_rate", "temperature"):
             value = getattr(self, name)
-            if not isinstance(value, (int, float)) or not value > 0 or not math.isfinite(value):
+            if not value > 0 or not math.isfinite(value):
                 raise ConfigError(f"{name}={value!r}: must be a finite number > 0")
         if self.max_grad_norm is not None and not (
             self.max_grad_norm > 0 and math.isfinite(self.max_grad_norm)
@@ -555,9 +556,7 @@ class MAGRPOConfig:
             raise ConfigError(
                 f"save_steps={self.save_steps}: checkpoints go into output_dir; set output_dir="
             )
-        if self.lora_r is not None and (
-            not isinstance(self.lora_r, int) or isinstance(self.lora_r, bool) or self.lora_r < 1
-        ):
+        if self.lora_r is not None and self.lora_r < 1:
             raise ConfigError(
                 f"lora_r={self.lora_r!r}: must be an integer >= 1 (or None for full fine-tuning)"
             )
@@ -599,9 +598,7 @@ class MAGRPOConfig:
                 "lora_shared_base=True keeps one base in one process; agent_parallel=True gives every agent its own "
                 "process (and base): use one of them"
             )
-        if self.micro_batch_tokens is not None and (
-            not isinstance(self.micro_batch_tokens, int) or self.micro_batch_tokens < 1
-        ):
+        if self.micro_batch_tokens is not None and self.micro_batch_tokens < 1:
             raise ConfigError(
                 f"micro_batch_tokens={self.micro_batch_tokens!r}: must be an integer >= 1 (or None for no budget)"
             )
@@ -637,13 +634,6 @@ class MAGRPOConfig:
     def _validate_agent_settings(self) -> None:
         if self.agent_settings is None:
             return
-        if not isinstance(self.agent_settings, list) or not all(
-            isinstance(d, dict) for d in self.agent_settings
-        ):
-            raise ConfigError(
-                f"agent_settings={self.agent_settings!r}: give a list with one dict per agent, e.g. "
-                "[{'max_new_tokens': 64}, {}]"
-            )
         for i, settings in enumerate(self.agent_settings):
             unknown = sorted(set(settings) - set(AGENT_SETTINGS))
             if unknown:
@@ -872,7 +862,7 @@ class ActorCriticConfig(MAGRPOConfig):
         if self.value_clip is not None and not self.value_clip > 0:
             raise ConfigError(f"value_clip={self.value_clip!r}: must be > 0 (or None)")
         completions = self.prompts_per_step * self.num_generations
-        if not isinstance(self.num_mini_batches, int) or self.num_mini_batches < 1:
+        if self.num_mini_batches < 1:
             raise ConfigError(f"num_mini_batches={self.num_mini_batches!r}: must be an integer >= 1")
         if completions % self.num_mini_batches:
             raise ConfigError(
@@ -1064,11 +1054,11 @@ class MARLHFConfig(MAGRPOConfig):
         _check_preference_fields(self, self.preference_num_candidates, "MARLHF")
         if not self.reward_learning_rate > 0:
             raise ConfigError(f"reward_learning_rate={self.reward_learning_rate!r}: must be > 0")
-        if not isinstance(self.reward_refit_steps, int) or self.reward_refit_steps < 0:
+        if self.reward_refit_steps < 0:
             raise ConfigError(f"reward_refit_steps={self.reward_refit_steps!r}: must be an integer >= 0")
         for name in ("reward_num_train_epochs", "reward_train_batch_size"):
             value = getattr(self, name)
-            if not isinstance(value, int) or value < 1:
+            if value < 1:
                 raise ConfigError(f"{name}={value!r}: must be an integer >= 1")
 
 
