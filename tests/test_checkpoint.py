@@ -160,3 +160,18 @@ def test_truncate_log_drops_a_row_cut_off_by_a_crash(tmp_path):
     log.write_text('{"step": 1, "reward": 0.5}\n{"step": 2, "reward": 0.7}\n{"step": 3, "rew')
     truncate_log(log, 2)
     assert log.read_text() == '{"step": 1, "reward": 0.5}\n{"step": 2, "reward": 0.7}\n'
+
+
+def test_resume_on_fewer_gpus_restores_the_streams_of_those_it_sees(monkeypatch):
+    """A checkpoint written where 2 GPUs were visible resumes where 1 is: set_rng_state_all would index a second
+    GPU that is not there; only GPU 0's stream is restored."""
+    from comarl.checkpoint import rng_state, set_rng_state
+
+    restored = []
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(torch.cuda, "set_rng_state", lambda state, device: restored.append((state, device)))
+    monkeypatch.setattr(torch.cuda, "get_rng_state_all", lambda: [torch.tensor([0]), torch.tensor([1])])
+    state = rng_state()
+    set_rng_state(state)
+    assert [(int(s), d) for s, d in restored] == [(0, 0)]

@@ -64,7 +64,9 @@ def set_rng_state(state: dict[str, Any]) -> None:
     random.setstate(state["python"])
     torch.set_rng_state(state["torch"])
     if "cuda" in state and torch.cuda.is_available():
-        torch.cuda.set_rng_state_all(state["cuda"])
+        # One state per GPU the saving process saw; a resume that sees fewer GPUs restores those it has.
+        for device, gpu_state in enumerate(state["cuda"][: torch.cuda.device_count()]):
+            torch.cuda.set_rng_state(gpu_state, device)
     if "numpy" in state:
         import numpy as np
 
@@ -149,7 +151,8 @@ def load_checkpoint(trainer: Any, directory: str | Path) -> int:
                 f"{key}={value!r}; resume with the same trainer, team and launch"
             )
     rank = 0 if parallel is None else parallel.rank
-    saved = torch.load(directory / f"process_{rank}.pt", map_location="cpu", weights_only=False)
+    # mmap: the state is paged in as it is copied onto the agents' devices, not read whole into host memory first.
+    saved = torch.load(directory / f"process_{rank}.pt", map_location="cpu", weights_only=False, mmap=True)
     trainer.load_checkpoint_state(saved["trainer"])
     set_rng_state(saved["rng"])
     return int(state["step"])
