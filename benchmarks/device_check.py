@@ -13,7 +13,10 @@ device machine needs no network. The checks:
 3. ``demo``: the demo game for 200 steps on the device (as its CPU learning test); greedy joint success ≥ 0.9;
 4. ``agent_parallel``: two processes (torchrun, one agent each, sharing the device when there is one
    GPU) train what one process trains on a heterogeneous team;
-5. ``resume``: a run stopped after its checkpoint and resumed on the device ends with the weights of the
+5. ``trainers``: two steps on the device of MADPO with its defaults (candidates of the initial team, whose
+   reference log-probs are cached), IPPO (value heads) and MAGRPO with LoRA, activation checkpointing and a
+   KL reference; each must move the weights it trains and log finite losses;
+6. ``resume``: a run stopped after its checkpoint and resumed on the device ends with the weights of the
    unbroken run (to 1e-5: CUDA's embedding backward adds in no fixed order), and on a GPU the same checkpoint
    resumed with the agents on the CPU stops with the ConfigError that names the device.
 """
@@ -22,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import subprocess
 import sys
 import tempfile
@@ -136,6 +140,57 @@ def check_agent_parallel(device: str, base: Path) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
+def check_trainers(device: str, base: Path) -> str:
+    import comarl
+    from comarl.tiny import tiny_model
+
+    path = str(tiny_model(base / "qwen_trainers", kind="bpe", arch="qwen2", seed=0))
+    data = [{"prompt": p} for p in ("def add(a, b):", "alice and bob", "the agents meet at", "return a + b")]
+
+    def length_reward(a, b):  # noqa: ANN001, ANN202
+        return [len(x) / 10 - len(y) / 20 for x, y in zip(a, b)]
+
+    shared = {
+        "max_steps": 2,
+        "prompts_per_step": 2,
+        "num_generations": 2,
+        "max_new_tokens": 6,
+        "learning_rate": 1e-3,
+        "agent_devices": device,
+        "progress_bar": False,
+    }
+    cases = {
+        "MADPO": (comarl.MADPOTrainer, comarl.MADPOConfig(**shared)),
+        "IPPO": (comarl.IPPOTrainer, comarl.IPPOConfig(**shared)),
+        "MAGRPO+LoRA": (
+            comarl.MAGRPOTrainer,
+            comarl.MAGRPOConfig(**shared, lora_r=4, gradient_checkpointing=True, beta=0.05),
+        ),
+    }
+    details = []
+    for name, (cls, args) in cases.items():
+        trainer = cls(model=path, num_agents=2, train_dataset=data, reward_func=length_reward, args=args)
+        before = [
+            {n: p.detach().clone() for n, p in a.model.named_parameters() if p.requires_grad}
+            for a in trainer.team
+        ]
+        metrics = trainer.train()
+        for i, agent in enumerate(trainer.team):
+            if str(agent.device).split(":")[0] != device.split(":")[0]:
+                raise AssertionError(f"{name}: agent {i} is on {agent.device}, not {device}")
+            trained = dict(agent.model.named_parameters())
+            still = [n for n, p in before[i].items() if torch.equal(p, trained[n].detach())]
+            if still:
+                raise AssertionError(
+                    f"{name}: agent {i} did not move {len(still)} trained tensors, e.g. {still[0]}"
+                )
+        losses = [v for k, v in metrics.items() if k.endswith("loss")]
+        if not losses or not all(math.isfinite(v) for v in losses):
+            raise AssertionError(f"{name}: losses {losses}")
+        details.append(name)
+    return ", ".join(details) + " moved every trained tensor"
+
+
 def check_resume(device: str, base: Path) -> str:
     from comarl import ConfigError, MAGRPOConfig, MAGRPOTrainer
     from comarl.tiny import tiny_model
@@ -213,6 +268,7 @@ CHECKS = {
     "bf16_step": check_bf16_step,
     "demo": check_demo,
     "agent_parallel": check_agent_parallel,
+    "trainers": check_trainers,
     "resume": check_resume,
 }
 
