@@ -14,6 +14,19 @@ from comarl.tasks.code import CodeEnv, build_program, extract_code, load_items, 
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="the sandbox supports POSIX systems only")
 
+# HumanEval/32's canonical body (bisection between growing bounds).
+CANONICAL_32 = """    begin, end = -1.0, 1.0
+    while poly(xs, begin) * poly(xs, end) > 0:
+        begin *= 2.0
+        end *= 2.0
+    while end - begin > 1e-10:
+        center = (begin + end) / 2.0
+        if poly(xs, center) * poly(xs, begin) > 0:
+            begin = center
+        else:
+            end = center
+    return begin
+"""
 LIMITS = SandboxLimits(timeout_s=10.0, cpu_s=10.0, memory_mb=512)
 ITEMS = {item["task_id"]: item for item in load_items("all")}
 ZERO, TWO = ITEMS["HumanEval/0"], ITEMS["HumanEval/2"]
@@ -216,6 +229,30 @@ def test_a_main_block_does_not_run_before_the_tests(env):
     demo = "\nif __name__ == '__main__':\n    print(input())\n"
     result = play(env, TWO, "", "def truncate_number(n):\n    return n % 1.0\n" + demo)
     assert result.info["success"] is True and result.info["feedback"] == "All 3 checks passed."
+
+
+def test_the_test_checks_with_the_prompts_functions_not_the_teams(env):
+    """The test runs in its own namespace: a team that redefines the prompt's poly (HumanEval/32's test checks
+    poly(xs, find_zero(xs)) == 0) or the builtin abs changes what its own code calls, not the test."""
+    flat = "def poly(xs, x):\n    return 0\n"
+    zero = play(env, ITEMS["HumanEval/32"], flat, "def find_zero(xs):\n    return 0.0\n")
+    assert zero.info["success"] is False and zero.components["tests"] == 0.0
+    no_abs = "def abs(x):\n    return 0\n"
+    two = play(env, TWO, no_abs, "def truncate_number(n):\n    return 0.5\n")
+    assert two.info["passed"] == 1  # candidate(3.5) == 0.5 holds; abs(0.5 - 0.33) < 1e-6 does not
+    right = play(env, ITEMS["HumanEval/32"], "", "def find_zero(xs):\n" + CANONICAL_32)
+    assert right.info["success"] is True
+
+
+def test_an_object_equal_to_everything_is_not_an_answer(env):
+    """An equality check compares only values made of built-in types: an object whose __eq__ says True to
+    anything passed 155 of the 164 problems."""
+    cheat = "class Anything:\n    def __eq__(self, other):\n        return True\n"
+    result = play(env, ZERO, cheat, "def has_close_elements(numbers, threshold):\n    return Anything()\n")
+    assert result.components["tests"] == 0.0 and result.info["success"] is False
+    assert "not made of built-in types" in result.info["feedback"]
+    nested = play(env, ZERO, cheat, "def has_close_elements(numbers, threshold):\n    return [Anything()]\n")
+    assert nested.components["tests"] == 0.0
 
 
 def test_a_name_rebound_between_asserts_keeps_its_value_for_each_check():

