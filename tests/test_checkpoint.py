@@ -123,9 +123,9 @@ def test_resume_errors_name_the_problem(qwen_bpe, tmp_path):
 
 
 class _Stub:
-    """The little of a trainer that save_checkpoint reads: one process, a step and a state."""
+    """The little of a trainer that save_checkpoint reads: one process (no data shards), a step and a state."""
 
-    processes, num_agents = None, 1
+    processes, data, num_agents = None, None, 1
 
     def __init__(self, step):
         self.step = step

@@ -452,26 +452,41 @@ def test_grid_needs_a_multiple_of_the_agents(qwen_bpe, llama_word, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("sharded", ["shard_optimizer", "shard_weights"])
-def test_data_parallel_run_resumes_exactly(qwen_bpe, llama_word, tmp_path, one_thread, sharded):
+@pytest.mark.parametrize(
+    ("trainer", "sharded"),
+    [
+        ("MAREINFORCE", None),
+        ("MAPPO", None),
+        ("MAREINFORCE", "shard_optimizer"),
+        ("MAREINFORCE", "shard_weights"),
+    ],
+)
+def test_data_parallel_run_resumes_exactly(qwen_bpe, llama_word, tmp_path, one_thread, trainer, sharded):
     """Two processes stop after a checkpoint at step 2; relaunched with --resume they end where one process's
     unbroken 4-step run ends. Each process saves and restores its share: of AdamW's state and the warmup's
-    learning rate (shard_optimizer), or of the weights, the KL reference and AdamW's state (shard_weights)."""
+    learning rate (shard_optimizer), or of the weights, the KL reference and AdamW's state (shard_weights).
+    Whole copies (and MAPPO's critic) are written once, in the first shard's part, and the second shard resumes
+    from it."""
     agents = [qwen_bpe, llama_word]
     schedule = {"beta": 0.05, "warmup_steps": 3}  # the learning rate changes at every step
-    single = MAREINFORCETrainer(
+    single = getattr(comarl, f"{trainer}Trainer")(
         agents=agents,
         train_dataset=DATA,
         reward_func=two_word_reward,
-        args=MAREINFORCEConfig(**run_args(prompts_per_step=2, max_steps=4, **schedule)),
+        args=getattr(comarl, f"{trainer}Config")(**run_args(prompts_per_step=2, max_steps=4, **schedule)),
     )
     expected = single.train()
     out = tmp_path / "run"
-    first = {"prompts_per_step": 2, **schedule, "max_steps": 2, "save_steps": 2, sharded: True}
-    _launch("MAREINFORCE", agents, out, first, "data")
-    ranks = _launch("MAREINFORCE", agents, out, {**first, "max_steps": 4}, "data", resume=True)
+    first = {"prompts_per_step": 2, **schedule, "max_steps": 2, "save_steps": 2}
+    if sharded:
+        first[sharded] = True
+    _launch(trainer, agents, out, first, "data")
+    parts = [(out / "checkpoints" / "step_2" / f"process_{r}.pt").stat().st_size for r in (0, 1)]
+    if sharded is None:  # the second part holds only its random streams and schedules
+        assert parts[1] < parts[0] / 20, parts
+    ranks = _launch(trainer, agents, out, {**first, "max_steps": 4}, "data", resume=True)
     for key in ("reward", "agent_0/loss", "agent_1/kl", "agent_1/grad_norm", "agent_1/lr"):
-        assert ranks[0]["metrics"][key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
+        assert ranks[1]["metrics"][key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 3, 4]
     assert_saved_agents_compute(out, single)

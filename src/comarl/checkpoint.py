@@ -4,7 +4,10 @@ A checkpoint is a folder ``output_dir/checkpoints/step_<N>/``:
 
 - ``process_<r>.pt`` — what process ``r`` holds (all of it in a single-process run): its agents'
   weights, optimizers and learning-rate schedules, value heads and critics, its random streams
-  (Python, NumPy, torch CPU and CUDA, the joint-action and mini-batch generators);
+  (Python, NumPy, torch CPU and CUDA, the joint-action and mini-batch generators). Under data
+  parallelism, a state every data shard holds whole and equal (unsharded weights, their AdamW
+  state, critics, MADPO's candidates) is written once, by the first shard; the others' parts say
+  :data:`IN_FIRST_SHARD` there and name that part in ``first_shard``, and resume reads it from it;
 - ``trainer_state.json`` — the step, the trainer, the team size and the number of processes. It is
   written last, through a temporary file and a rename, so a folder without it is an unfinished
   checkpoint and is never loaded. It is removed first when a folder is rewritten or deleted.
@@ -32,6 +35,9 @@ from comarl.config import ConfigError
 
 STATE_FILE = "trainer_state.json"
 CHECKPOINTS = "checkpoints"
+# Stands in a data shard's part for a state the first data shard's part holds (D equal copies would take D times
+# the disk: 36 GB per copy for a 3 B agent's fp32 weights and AdamW moments).
+IN_FIRST_SHARD = "comarl: in the first data shard's part"
 
 
 def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
@@ -87,7 +93,10 @@ def save_checkpoint(trainer: Any, output_dir: str | Path, keep: int) -> Path:
         parallel.barrier()
     target = directory / f"process_{rank}.pt"
     temporary = target.with_suffix(".tmp")
-    torch.save({"trainer": trainer.checkpoint_state(), "rng": rng_state()}, temporary)
+    # The process (global rank) whose part holds the states marked IN_FIRST_SHARD in this one.
+    first_shard = None if trainer.data is None else trainer.data.gather(rank)[0]
+    saved = {"trainer": trainer.checkpoint_state(), "rng": rng_state(), "first_shard": first_shard}
+    torch.save(saved, temporary)
     os.replace(temporary, target)
     if parallel is not None:
         parallel.barrier()  # every process's part is on disk before the checkpoint is marked finished
@@ -153,9 +162,24 @@ def load_checkpoint(trainer: Any, directory: str | Path) -> int:
     rank = 0 if parallel is None else parallel.rank
     # mmap: the state is paged in as it is copied onto the agents' devices, not read whole into host memory first.
     saved = torch.load(directory / f"process_{rank}.pt", map_location="cpu", weights_only=False, mmap=True)
+    first_shard = saved.get("first_shard")
+    if first_shard is not None and first_shard != rank:
+        whole = torch.load(
+            directory / f"process_{first_shard}.pt", map_location="cpu", weights_only=False, mmap=True
+        )
+        _take_first_shards(saved["trainer"], whole["trainer"])
     trainer.load_checkpoint_state(saved["trainer"])
     set_rng_state(saved["rng"])
     return int(state["step"])
+
+
+def _take_first_shards(part: dict[Any, Any], first: dict[Any, Any]) -> None:
+    """Replace every IN_FIRST_SHARD in ``part`` (nested dicts) with the value at the same place in ``first``."""
+    for key, value in part.items():
+        if isinstance(value, str) and value == IN_FIRST_SHARD:
+            part[key] = first[key]
+        elif isinstance(value, dict) and isinstance(first.get(key), dict):
+            _take_first_shards(value, first[key])  # (not into a share of a sharded state: its keys differ)
 
 
 def truncate_log(path: Path, step: int) -> None:

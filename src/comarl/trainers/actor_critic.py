@@ -55,6 +55,7 @@ from comarl.rollout import Rollout
 from comarl.trainers.magrpo import (
     MAGRPOTrainer,
     adamw,
+    is_sharded,
     load_optimizer_state,
     lr_lambda,
     optimizer_state,
@@ -486,10 +487,15 @@ class ActorCriticTrainer(MAGRPOTrainer):
         optimizers and the mini-batch shuffle streams."""
         state = super().checkpoint_state()
         state["value_heads"] = {
-            i: h.state_dict() for i, h in enumerate(self.value_heads or []) if h is not None
+            i: self.once(h.state_dict()) for i, h in enumerate(self.value_heads or []) if h is not None
         }
         state["critics"] = {
-            c: {"model": critic.state_dict(), "optimizer": optimizer_state(self.critic_optimizers[c])}
+            c: {
+                "model": self.once(critic.state_dict()),
+                "optimizer": self.once(
+                    optimizer_state(self.critic_optimizers[c]), is_sharded(self.critic_optimizers[c])
+                ),
+            }
             for c, critic in enumerate(self.critics)
             if critic is not None
         }

@@ -721,11 +721,16 @@ class MAGRPOTrainer:
     def checkpoint_state(self) -> dict[str, Any]:
         """What this process holds, for a checkpoint: its agents' weights, optimizers and schedules, and the
         joint-action stream (``comarl.checkpoint`` adds the global random streams)."""
+        sharded = (
+            self.args.shard_weights
+        )  # each process holds its own share of the weights and their AdamW state
         return {
             "agents": {
                 i: {
-                    "model": self.team[i].model.state_dict(),
-                    "optimizer": optimizer_state(self.optimizers[i]),
+                    "model": self.once(self.team[i].model.state_dict(), sharded),
+                    "optimizer": self.once(
+                        optimizer_state(self.optimizers[i]), sharded or is_sharded(self.optimizers[i])
+                    ),
                     "scheduler": self.schedulers[i].state_dict(),
                     "sampling": self.team[i].generator.get_state(),
                     "sampling_device": self.team[i].generator.device.type,
@@ -734,6 +739,13 @@ class MAGRPOTrainer:
             },
             "joint_generator": self.joint_generator.get_state(),
         }
+
+    def once(self, state: Any, sharded: bool = False) -> Any:
+        """``state`` for this process's part of a checkpoint, if it is sharded or this is the first data shard;
+        else ``IN_FIRST_SHARD``: every data shard holds it whole and equal, and the first shard's part keeps it."""
+        from comarl.checkpoint import IN_FIRST_SHARD
+
+        return state if sharded or self.data is None or self.data.rank == 0 else IN_FIRST_SHARD
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         """Restore what :meth:`checkpoint_state` returned."""
@@ -1079,6 +1091,13 @@ def optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
             saved.update({k: v for k, v in outer.items() if k != "params"})
         return state
     return optimizer.state_dict()
+
+
+def is_sharded(optimizer: torch.optim.Optimizer) -> bool:
+    """Whether ``optimizer`` keeps only this process's share of the AdamW state (``shard_optimizer``)."""
+    from torch.distributed.optim import ZeroRedundancyOptimizer
+
+    return isinstance(optimizer, ZeroRedundancyOptimizer)
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:

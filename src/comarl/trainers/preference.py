@@ -46,6 +46,7 @@ from comarl.rollout import collect
 from comarl.trainers.magrpo import (
     MAGRPOTrainer,
     adamw,
+    is_sharded,
     load_optimizer_state,
     optimizer_state,
     rollout_metrics,
@@ -308,7 +309,7 @@ class MADPOTrainer(MAGRPOTrainer):
         return {
             **super().checkpoint_state(),
             "pairs": self.pair_generator.get_state(),
-            "candidates": self.candidates,
+            "candidates": self.once(self.candidates),  # every shard gathers every item's
         }
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
@@ -585,8 +586,10 @@ class MARLHFTrainer(MAGRPOTrainer):
     def checkpoint_state(self) -> dict[str, Any]:
         return {
             **super().checkpoint_state(),
-            "reward_model": self.reward_model.state_dict(),
-            "reward_optimizer": optimizer_state(self.reward_optimizer),
+            "reward_model": self.once(self.reward_model.state_dict()),
+            "reward_optimizer": self.once(
+                optimizer_state(self.reward_optimizer), is_sharded(self.reward_optimizer)
+            ),
             "reward_model_fitted": self.reward_model_fitted,
             "pairs": self.pair_generator.get_state(),
             "pair_order": self.order_generator.get_state(),
