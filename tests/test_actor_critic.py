@@ -158,6 +158,11 @@ def test_config_defaults_and_errors():
         IPPOConfig(prompts_per_step=2, num_generations=4, num_mini_batches=2, micro_batch_size=8)
     with pytest.raises(ConfigError, match=r"gae_lambda=1.5: must be in \[0, 1\]"):
         IPPOConfig(gae_lambda=1.5)
+    # tree_lambda_returns averages a node's joint actions: 'max' was accepted and ignored
+    with pytest.raises(
+        ConfigError, match=r"tree_backup='max': the critic trainers' TD\(lambda\) targets average"
+    ):
+        IPPOConfig(tree_backup="max", num_turns=2)
 
 
 # ----------------------------------------------------------------------------- trainers on tiny models
@@ -219,6 +224,28 @@ def test_centralized_critic_steps_once_per_update_not_once_per_agent(team, cls, 
     # num_iterations x num_mini_batches: MAAC 1 x 1, MAPPO 4 x 2 — for the team, whatever its size
     assert len(critic_steps) == per_update
     assert [len(s) for s in agent_steps] == [per_update, per_update]
+
+
+def test_a_critic_with_fewer_samples_than_mini_batches_steps_only_on_samples(team):
+    """prompts_per_step=1: MAPPO's V critic has one sample (one node) for num_mini_batches=2. The empty
+    mini-batch takes no step, and value_loss is the loss of the one sample, not half of it."""
+    trainer = _trainer(
+        MAPPOTrainer, MAPPOConfig, team, reward=answer_length, prompts_per_step=1, num_iterations=1
+    )
+    critic_steps = _count_steps(trainer.critic_optimizers[0])
+    seen = {}
+    update_critic = trainer.update_critic
+
+    def spy(c, samples, targets, old_values):  # noqa: ANN001, ANN202
+        with torch.no_grad():
+            values = trainer.critics[c](*samples)
+        seen["loss"] = float(value_loss(values, old_values, targets, trainer.args.value_clip).mean())
+        return update_critic(c, samples, targets, old_values)
+
+    trainer.update_critic = spy
+    metrics = trainer.train()
+    assert len(critic_steps) == 1
+    assert metrics["critic/value_loss"] == pytest.approx(seen["loss"], rel=1e-5)
 
 
 @pytest.mark.parametrize(

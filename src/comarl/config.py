@@ -827,6 +827,11 @@ class ActorCriticConfig(MAGRPOConfig):
                 "share_weights=True is built for the MAGRPO family and MARLHF; the critic trainers keep one model "
                 "per agent"
             )
+        if self.tree_backup != "mean":
+            raise ConfigError(
+                f"tree_backup={self.tree_backup!r}: the critic trainers' TD(lambda) targets average a node's joint "
+                "actions (the critic estimates the value under the sampling policy); remove tree_backup="
+            )
         if self.baseline != "critic":
             raise ConfigError(
                 f"baseline={self.baseline!r}: actor-critic trainers use the critic as the baseline; remove baseline= "

@@ -326,8 +326,11 @@ class ActorCriticTrainer(MAGRPOTrainer):
         S = ids.shape[0]
         micro = args.micro_batch_rows(S, ids.shape[1])
         for _ in range(args.num_iterations):
-            total = 0.0
+            total, steps = 0.0, 0
             for batch, rows in self._mini_batches(S, self.critic_shuffles[c]):
+                if not len(batch):  # fewer samples (tree nodes) than num_mini_batches: no step on nothing
+                    continue
+                steps += 1
                 for mb in rows.split(micro) if len(rows) else ():  # a shard may hold none of a mini-batch
                     with self._autocast(critic.device):
                         values = critic(ids[mb], mask[mb])
@@ -341,7 +344,7 @@ class ActorCriticTrainer(MAGRPOTrainer):
             total = sum(self.data.gather(total))
         all_values, all_targets = self._everywhere(old_values.cpu().flatten(), targets.cpu().flatten())
         return {
-            "value_loss": total / args.num_mini_batches,
+            "value_loss": total / steps,  # the last epoch's mean over its mini-batches
             "grad_norm": grad_norm,
             "explained_variance": explained_variance(all_values, all_targets),
             "value_mean": float(all_values.mean()),
