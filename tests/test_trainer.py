@@ -468,8 +468,40 @@ def test_lr_schedule_warmup_then_cosine(qwen_bpe):
         trainer.step += 1
         metrics, _ = trainer.training_step(items)
         lrs.append(metrics["agent_0/lr"])
-    # factor(s): warmup s=0 -> 1/2; then cosine over 3 steps: s=1 -> 1, s=2 -> 0.75, s=3 -> 0.25; lr printed after step.
-    assert lrs == pytest.approx([1e-3 * 1.0, 1e-3 * 0.75, 1e-3 * 0.25, 0.0], abs=1e-12)
+    # factor(s): warmup s=0 -> 1/2; then cosine over 3 steps: s=1 -> 1, s=2 -> 0.75, s=3 -> 0.25. The metric is the
+    # rate each update used (read after the schedule's step it was the next one's: 1, 0.75, 0.25, 0).
+    assert lrs == pytest.approx([1e-3 * 0.5, 1e-3 * 1.0, 1e-3 * 0.75, 1e-3 * 0.25], abs=1e-12)
+
+
+def test_alternating_agents_each_take_their_whole_schedule_over_their_own_turns(qwen_bpe):
+    """alternate_agents_every=1 over 4 steps: each agent updates twice, so its linear decay spans those 2 updates
+    (1, then 1/2), not the run's 4 steps (it stopped at 3/4 and warmups lasted N times longer)."""
+    trainer = MAGRPOTrainer(
+        model=qwen_bpe,
+        num_agents=2,
+        train_dataset=DATA,
+        reward_func=length_reward,
+        args=small_args(
+            max_steps=4, alternate_agents_every=1, lr_scheduler_type="linear", learning_rate=1e-3
+        ),
+    )
+    lrs: dict[str, list[float]] = {"agent_0/lr": [], "agent_1/lr": []}
+    for items in trainer._batches():
+        trainer.step += 1
+        metrics, _ = trainer.training_step(items)
+        for key, seen in lrs.items():
+            if key in metrics:
+                seen.append(metrics[key])
+    assert lrs == {"agent_0/lr": [1e-3, 0.5e-3], "agent_1/lr": [1e-3, 0.5e-3]}
+    three = MAGRPOTrainer(
+        model=qwen_bpe,
+        num_agents=3,
+        train_dataset=DATA * 2,
+        reward_func=lambda a, b, c: [0.0] * len(a),
+        args=small_args(max_steps=5, alternate_agents_every=2, frozen_agents=[1]),
+    )
+    # learners 0 and 2 in turns of 2 steps: 0, 0, 2, 2, 0
+    assert [three.training_steps_of(i) for i in range(3)] == [3, 0, 2]
 
 
 # ---------------------------------------------------------------------------- compatibility and errors

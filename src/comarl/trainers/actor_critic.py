@@ -103,7 +103,10 @@ class ActorCriticTrainer(MAGRPOTrainer):
                 self._optimizer(i, head) if i in self.local else None
                 for i, head in enumerate(self.value_heads)
             ]
-            self.schedulers = [self._schedule(opt) if opt is not None else None for opt in self.optimizers]
+            self.schedulers = [
+                self._schedule(opt, self.training_steps_of(i)) if opt is not None else None
+                for i, opt in enumerate(self.optimizers)
+            ]
         self.critic_optimizers = [
             adamw(
                 list(c.parameters()),
@@ -290,6 +293,7 @@ class ActorCriticTrainer(MAGRPOTrainer):
                             (kl_k3(behaviour, logp.detach(), mask) * weights).sum()
                         ) / max(tokens, 1)
                         totals["entropy"] += float((entropy.detach() * weights).sum()) / max(tokens, 1)
+                lr = optimizer.param_groups[0]["lr"]  # the rate this update uses (the schedule then moves on)
                 grad_norm = self._step(optimizer, agent.model.parameters(), head)
                 self.schedulers[i].step()
             # metrics: averages over the mini-batches of the last epoch
@@ -304,7 +308,7 @@ class ActorCriticTrainer(MAGRPOTrainer):
         return {
             **totals,
             "grad_norm": grad_norm,
-            "lr": self.schedulers[i].get_last_lr()[0],
+            "lr": lr,
             "completion_length": float(lengths.float().mean()),
             "truncated_fraction": float(all_cut.float().mean()),
             "advantage_abs": float(all_advantages.abs().mean()),
@@ -480,9 +484,9 @@ class ActorCriticTrainer(MAGRPOTrainer):
             )
         return optimizer
 
-    def _schedule(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
+    def _schedule(self, optimizer: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
         a = self.args
-        total = self.total_steps * a.num_iterations * a.num_mini_batches
+        total = steps * a.num_iterations * a.num_mini_batches
         return torch.optim.lr_scheduler.LambdaLR(optimizer, lr_lambda(a, total))
 
     def checkpoint_state(self) -> dict[str, Any]:

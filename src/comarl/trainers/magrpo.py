@@ -254,7 +254,7 @@ class MAGRPOTrainer:
         if args.share_weights:  # one model: one optimizer, one schedule, one reference, held by every agent
             optimizer = self._optimizer(0)
             self.optimizers = [optimizer] * n
-            self.schedulers = [self._schedule(optimizer)] * n
+            self.schedulers = [self._schedule(optimizer, self.total_steps)] * n
             self.references = [_reference(self.team[0].model)] * n if self._keeps_reference() else None
         else:
             self.references = (
@@ -273,7 +273,10 @@ class MAGRPOTrainer:
                     if isinstance(reference, torch.nn.Module):
                         self.data.shard_model(reference, frozen=True)
             self.optimizers = [self._optimizer(i) if i in self.local else None for i in range(n)]
-            self.schedulers = [self._schedule(opt) if opt is not None else None for opt in self.optimizers]
+            self.schedulers = [
+                self._schedule(opt, self.training_steps_of(i)) if opt is not None else None
+                for i, opt in enumerate(self.optimizers)
+            ]
         self.joint_generator = torch.Generator().manual_seed(args.seed + 1)
         self.step = 0
 
@@ -586,8 +589,7 @@ class MAGRPOTrainer:
         for _ in range(args.num_iterations):
             # metrics of the last iteration
             totals = {i: self._backward(i, gens[i], *prepared[i]) for i in agents}
-            grad_norm = self._apply_gradients(agents[0])
-        lr = self.schedulers[agents[0]].get_last_lr()[0]
+            grad_norm, lr = self._apply_gradients(agents[0])
         if self.data is not None:  # each process holds its part of the batch-normalised sums: add them up
             parts = self.data.gather(totals)
             totals = {i: {k: sum(part[i][k] for part in parts) for k in t} for i, t in totals.items()}
@@ -610,17 +612,19 @@ class MAGRPOTrainer:
             return gen.completion_mask
         return gen.completion_mask * (~truncated).unsqueeze(1).to(gen.completion_mask.dtype)
 
-    def _apply_gradients(self, i: int) -> float:
+    def _apply_gradients(self, i: int) -> tuple[float, float]:
         """Agent ``i``'s optimizer step on the gradients its backward passes left (summed over the processes under
-        data parallelism, then clipped), and a schedule step; returns the gradient norm before clipping."""
+        data parallelism, then clipped), and a schedule step; returns the gradient norm before clipping and the
+        learning rate the step used."""
         optimizer = self.optimizers[i]
         params = [p for p in self.team[i].model.parameters() if p.requires_grad]
         # The batch's gradient: the sum of every process's part under data parallelism.
         grad_norm = sum_and_clip_gradients(params, self.data, self.args.max_grad_norm)
+        lr = optimizer.param_groups[0]["lr"]  # after the schedule's step it would be the next update's
         optimizer.step()
         self.schedulers[i].step()
         optimizer.zero_grad(set_to_none=True)
-        return grad_norm
+        return grad_norm, lr
 
     def _backward(
         self,
@@ -843,11 +847,21 @@ class MAGRPOTrainer:
         every forward of the agents together. None otherwise."""
         return self.data if self.args.shard_weights else None
 
-    def _schedule(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LambdaLR:
-        """Warmup and decay over every optimizer step of the run (``num_iterations`` per training step)."""
+    def _schedule(self, optimizer: torch.optim.Optimizer, steps: int) -> torch.optim.lr_scheduler.LambdaLR:
+        """Warmup and decay over the optimizer steps of ``steps`` training steps (``num_iterations`` each)."""
         return torch.optim.lr_scheduler.LambdaLR(
-            optimizer, lr_lambda(self.args, self.total_steps * self.args.num_iterations)
+            optimizer, lr_lambda(self.args, steps * self.args.num_iterations)
         )
+
+    def training_steps_of(self, i: int) -> int:
+        """The training steps of the run in which agent ``i`` updates: all of them, or with
+        ``alternate_agents_every`` its turns, so that its schedule (warmup, decay to 0) spans its own updates."""
+        args = self.args
+        if not args.alternate_agents_every:
+            return self.total_steps
+        learners = [j for j in range(self.num_agents) if j not in args.frozen_agents]
+        k = args.alternate_agents_every
+        return sum(learners[(s // k) % len(learners)] == i for s in range(self.total_steps))
 
     def _tree_settings(self) -> dict[str, Any]:
         a = self.args

@@ -210,8 +210,8 @@ class MADPOTrainer(MAGRPOTrainer):
             with self._autocast(agent.device):
                 logp = self._row_logprobs(agent, gen, part_rows)
             (part_weight * logp).sum().backward()
-        grad_norm = self._apply_gradients(i)
-        return {"grad_norm": grad_norm, "lr": self.schedulers[i].get_last_lr()[0]}
+        grad_norm, lr = self._apply_gradients(i)
+        return {"grad_norm": grad_norm, "lr": lr}
 
     # ------------------------------------------------------------------ candidates
     def _initial_candidates(self) -> tuple[list[dict[str, Any]], float]:
