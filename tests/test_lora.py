@@ -169,3 +169,28 @@ def test_shared_base_errors(qwen_bpe, llama_word):
             reward_func=length_reward,
             args=MAGRPOConfig(**lora_args(lora_shared_base=True)),
         )
+
+
+def test_shared_base_agent_owns_its_embedding_adapter(qwen_bpe):
+    """peft names an embedding's adapter '...embed_tokens.lora_embedding_A.agent_0' (no dot after the adapter's
+    name): the agent's parameters, optimizer and checkpoint state must hold it, and training must move it, as for
+    a separate LoRA agent (a '.agent_0.' match left it out of all three)."""
+    trainer = MAGRPOTrainer(
+        model=qwen_bpe,
+        num_agents=2,
+        train_dataset=DATA,
+        reward_func=length_reward,
+        args=MAGRPOConfig(**lora_args(lora_shared_base=True, lora_target_modules=["embed_tokens", "q_proj"])),
+    )
+    agent = trainer.team[0].model
+    embedding = {n: p for n, p in agent.named_parameters() if "lora_embedding" in n}
+    assert sorted(n.split(".")[-2:] for n in embedding) == [
+        ["lora_embedding_A", "agent_0"],
+        ["lora_embedding_B", "agent_0"],
+    ]
+    in_optimizer = {id(p) for group in trainer.optimizers[0].param_groups for p in group["params"]}
+    assert all(id(p) in in_optimizer for p in embedding.values())
+    assert set(embedding) <= set(agent.state_dict())
+    before = {n: p.detach().clone() for n, p in embedding.items()}
+    trainer.train()
+    assert all(not torch.equal(p, before[n]) for n, p in embedding.items())

@@ -373,17 +373,19 @@ class SharedBaseAdapter:
         self.activate()
         return self.peft_model.get_base_model()
 
+    def _own(self, name: str) -> bool:
+        # A whole name component: peft names an embedding's adapter '...lora_embedding_A.agent_0', with no dot after.
+        return self.adapter in name.split(".")
+
     def named_parameters(self) -> Any:
         self.activate()
-        marker = f".{self.adapter}."
-        return ((n, p) for n, p in self.peft_model.named_parameters() if marker in n)
+        return ((n, p) for n, p in self.peft_model.named_parameters() if self._own(n))
 
     def parameters(self) -> Any:
         return (p for _, p in self.named_parameters())
 
     def state_dict(self) -> dict[str, torch.Tensor]:
-        marker = f".{self.adapter}."
-        return {k: v for k, v in self.peft_model.state_dict().items() if marker in k}
+        return {k: v for k, v in self.peft_model.state_dict().items() if self._own(k)}
 
     def load_state_dict(self, state: dict[str, torch.Tensor]) -> None:
         own = self.state_dict()
