@@ -424,6 +424,24 @@ def test_package_import_is_light():
     assert result.returncode == 0, result.stderr
 
 
+def test_cli_train_and_demo_refuse_what_they_cannot_use(tmp_path, capsys):
+    from comarl.cli import main
+
+    assert main(["train", str(tmp_path / "nope.yaml")]) == 2
+    assert (
+        capsys.readouterr().err
+        == f"comarl: error: {tmp_path / 'nope.yaml'} does not exist; give a YAML run spec (see examples/)\n"
+    )
+    # --steps 0 trained the default 300 steps, and -2 one epoch
+    for steps in ("0", "-2"):
+        assert main(["demo", "--steps", steps, "--out", str(tmp_path / "demo")]) == 2
+        assert capsys.readouterr().err.startswith(
+            f"comarl: error: --steps {steps}: give a number of training steps >= 1"
+        )
+    assert main(["demo", "--out", "/proc/demo"]) == 2
+    assert capsys.readouterr().err.startswith("comarl: error: --out /proc/demo: cannot create it (")
+
+
 def test_cli_output_into_a_closed_pipe_ends_without_a_traceback():
     """`comarl fields magrpo | head -1`: the reader leaves before comarl has written; comarl stops quietly."""
     proc = subprocess.Popen(

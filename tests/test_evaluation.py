@@ -77,7 +77,18 @@ def test_summarize_by_hand():
     ("kwargs", "message"),
     [
         (dict(mode="single", num_agents=2), r"--mode single\) plays one model .* but 2 agents were given"),
-        (dict(mode="team", num_agents=1), r"--mode team\) needs every agent of the team, but 1 was given"),
+        (
+            dict(mode="team", num_agents=1),
+            r"--mode team\) plays the task's team of 2 agents, but 1 were given",
+        ),
+        (
+            dict(mode="team", num_agents=3),
+            r"--mode team\) plays the task's team of 2 agents, but 3 were given",
+        ),
+        (dict(k_values=[0]), r"^k_values \(--k\) has 0: pass@k needs k >= 1$"),
+        (dict(limit=-3), r"^limit=-3 \(--limit\): must be >= 1$"),
+        (dict(max_new_tokens=0), r"^max_new_tokens=0 \(--max-new-tokens\): must be >= 1$"),
+        (dict(batch_size=0), r"^batch_size=0 \(--batch-size\): must be >= 1$"),
         (dict(mode="pipeline", num_agents=3), r"--mode pipeline\) chains agent 0 into agent 1 and needs 2"),
         (dict(task="code", mode="pipeline", num_turns=2), r"num_turns=2 \(--turns\): use 1"),
         (dict(k_values=[1, 4], num_samples=2), r"pass@4 needs at least 4 samples .* raise --samples to >= 4"),
@@ -293,3 +304,24 @@ def test_code_task_through_evaluate_task(tmp_path):
     two_turns = evaluate_task("code", agents, "team", **{**settings, "k_values": [1], "num_turns": 2})
     # 8 random tokens never pass HumanEval/0, so every episode gets a revision turn with feedback
     assert [len(s["turns"]) for s in two_turns["samples"]] == [2, 2]
+
+
+def test_cli_eval_errors_come_before_any_work_as_one_line(tmp_path, capsys):
+    """Bad models, devices and output paths stop `comarl eval` with exit status 2 and one line (they were
+    tracebacks, the --json one after the whole evaluation had run)."""
+    from comarl.cli import main
+
+    base = ["eval", "--task", "writing", "--models"]
+    cases = [
+        ([*base, str(tmp_path / "a"), str(tmp_path / "b")], f"cannot load the model {tmp_path / 'a'}: "),
+        ([*base, "x", "y", "--device", "bogus"], "device='bogus' (--device): not a torch device"),
+        ([*base, "x", "y", "--json", str(tmp_path)], f"--json {tmp_path} is a folder; give a file path"),
+        (
+            [*base, "x", "y", "z"],
+            "mode='team' (--mode team) plays the task's team of 2 agents, but 3 were given",
+        ),
+    ]
+    for argv, message in cases:
+        assert main(argv) == 2
+        err = capsys.readouterr().err
+        assert err.startswith(f"comarl: error: {message}") and err.count("\n") == 1, err

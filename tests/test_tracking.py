@@ -224,9 +224,19 @@ def test_cli_plot_draws_a_run_folder(tmp_path, capsys):
     assert capsys.readouterr().out.strip() == str(tmp_path / "plot.png")
     assert (tmp_path / "plot.png").read_bytes()[:4] == b"\x89PNG"
     assert main(["plot", str(tmp_path), "--keys", "success"]) == 2
-    assert "comarl plot: none of the keys ['success'] appear in" in capsys.readouterr().err
+    assert capsys.readouterr().err.endswith(
+        "metrics.jsonl; it has ['agent_0/loss', 'reward']\n"
+    )  # what the run did log
     assert main(["plot", str(tmp_path / "nowhere")]) == 2
     assert "nowhere/metrics.jsonl does not exist" in capsys.readouterr().err
+    assert main(["plot", str(tmp_path), "--out", "/proc/plot.png"]) == 2
+    assert capsys.readouterr().err.startswith("comarl: error: comarl plot: cannot write /proc/plot.png (")
+    with open(tmp_path / "metrics.jsonl", "a") as handle:  # a corrupt row between two good ones
+        handle.write('\n{"step": 4, "rew\n{"step": 5, "reward": 0.5}\n')
+    assert main(["plot", str(tmp_path)]) == 2
+    assert capsys.readouterr().err.startswith(
+        f"comarl: error: comarl plot: {tmp_path / 'metrics.jsonl'}, line 4:"
+    )
 
 
 def test_plot_of_a_run_stopped_mid_row_into_a_new_folder(tmp_path, capsys):

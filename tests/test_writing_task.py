@@ -20,6 +20,11 @@ TLDR = writing.STYLES["tldr"]
 def test_words_and_band_score():
     assert writing.words("Don't panic: 42 Cats!") == ["don't", "panic", "42", "cats"]
     assert writing.words("  ") == []
+    # any script, curly apostrophes: this sentence is 8 words (it counted 11: "na", "ve", "caf", "doesn", "t", ...)
+    assert writing.words("The naïve barista’s café doesn’t open before noon") == [
+        "the", "naïve", "barista’s", "café", "doesn’t", "open", "before", "noon"
+    ]  # fmt: skip
+    assert writing.words("Привет, мир_2") == ["привет", "мир", "2"]  # Russian counted 0 words; _ splits
     assert writing.band_score(0, 2, 3) == 0.0
     assert writing.band_score(1, 2, 3) == 0.5  # below: value / low
     assert writing.band_score(2, 2, 3) == 1.0 and writing.band_score(3, 2, 3) == 1.0

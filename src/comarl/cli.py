@@ -121,15 +121,27 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _plot(args: argparse.Namespace) -> int:
-    from comarl.tracking import METRICS_FILE, plot_metrics
+    from comarl.tracking import METRICS_FILE, plot_metrics, read_metrics
 
     metrics = Path(args.run_dir) / METRICS_FILE
     if not metrics.is_file():
         raise ConfigError(f"comarl plot: {metrics} does not exist; give a run folder (output_dir of a run)")
     try:
-        out = plot_metrics(metrics, args.out or Path(args.run_dir) / "plot.png", args.keys)
+        rows = read_metrics(metrics)
     except ValueError as exc:
-        raise ConfigError(f"comarl plot: {exc}; choose --keys among the metrics the run logged") from exc
+        raise ConfigError(f"comarl plot: {exc}") from None
+    logged = sorted({key for row in rows for key in row} - {"step"})
+    if not any(key in logged or f"eval/{key}" in logged for key in args.keys):
+        raise ConfigError(f"comarl plot: none of --keys {args.keys} is in {metrics}; it has {logged}")
+    out = Path(args.out or Path(args.run_dir) / "plot.png")
+    try:
+        out = plot_metrics(metrics, out, args.keys)
+    except ValueError as exc:  # the keys are there but hold no numbers
+        raise ConfigError(f"comarl plot: {exc}; choose --keys among the metrics the run logged") from None
+    except OSError as exc:
+        raise ConfigError(
+            f"comarl plot: cannot write {out} ({exc.strerror or exc}); choose another --out"
+        ) from None
     print(out)
     return 0
 
@@ -137,8 +149,20 @@ def _plot(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from comarl.tasks.demo import DEMO_STEPS, run_demo
 
+    if args.steps is not None and args.steps < 1:
+        raise ConfigError(
+            f"--steps {args.steps}: give a number of training steps >= 1 (default {DEMO_STEPS})"
+        )
+    if args.out is not None:
+        try:
+            Path(args.out).mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            raise ConfigError(f"--out {args.out}: cannot create it ({exc.strerror or exc})") from None
     summary = run_demo(
-        args.out, max_steps=args.steps or DEMO_STEPS, seed=args.seed, progress_bar=not args.no_progress
+        args.out,
+        max_steps=DEMO_STEPS if args.steps is None else args.steps,
+        seed=args.seed,
+        progress_bar=not args.no_progress,
     )
     print(
         f"joint success: {summary['success_before']:.1%} before training (sampled) -> "
@@ -230,7 +254,21 @@ def _eval(args: argparse.Namespace) -> int:
 
     sources = [str(p) for p in evaluation.run_agent_paths(args.run)] if args.run else args.models
     # Every flag is checked before a model loads.
-    evaluation.check_request(args.task, args.mode, len(sources), args.samples, args.k, args.turns)
+    evaluation.check_request(
+        args.task,
+        args.mode,
+        len(sources),
+        args.samples,
+        args.k,
+        args.turns,
+        limit=args.limit,
+        max_new_tokens=args.max_new_tokens,
+        batch_size=args.batch_size,
+    )
+    if args.json_path and Path(args.json_path).is_dir():
+        raise ConfigError(
+            f"--json {args.json_path} is a folder; give a file path, e.g. {args.json_path}/result.json"
+        )
     agents = evaluation.load_agents(sources, args.device)
     result = evaluation.evaluate_task(
         args.task,

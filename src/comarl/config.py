@@ -1209,6 +1209,8 @@ def load_run_spec(path: str | Path | None, overrides: list[str] | None = None) -
     """Read a YAML run spec (or start from defaults), apply overrides and validate."""
     raw: dict[str, Any] = {}
     if path is not None:
+        if not Path(path).is_file():
+            raise ConfigError(f"{path} does not exist; give a YAML run spec (see examples/)")
         loaded = yaml_load(Path(path).read_text())
         if loaded is None:
             loaded = {}

@@ -91,9 +91,25 @@ def task_protocol(task: str) -> TaskProtocol:
 
 
 def check_request(
-    task: str, mode: str, num_agents: int, num_samples: int, k_values: Sequence[int], num_turns: int
+    task: str,
+    mode: str,
+    num_agents: int,
+    num_samples: int,
+    k_values: Sequence[int],
+    num_turns: int,
+    *,
+    limit: int | None = None,
+    max_new_tokens: int = 256,
+    batch_size: int = 8,
 ) -> None:
     """Check an evaluation request before any model loads; errors name the argument (and its CLI flag)."""
+    for name, flag, value in (
+        ("limit", "--limit", limit),
+        ("max_new_tokens", "--max-new-tokens", max_new_tokens),
+        ("batch_size", "--batch-size", batch_size),
+    ):
+        if value is not None and value < 1:
+            raise ConfigError(f"{name}={value} ({flag}): must be >= 1")
     if task not in TASKS:
         raise ConfigError(f"task={task!r} (--task): choose one of {list(TASKS)}")
     if mode not in MODES:
@@ -107,7 +123,9 @@ def check_request(
     if not k_values:
         raise ConfigError("k_values (--k): give at least one k, e.g. --k 1")
     for k in k_values:
-        if not 1 <= k <= num_samples:
+        if k < 1:
+            raise ConfigError(f"k_values (--k) has {k}: pass@k needs k >= 1")
+        if k > num_samples:
             raise ConfigError(
                 f"k_values (--k) has {k}: pass@{k} needs at least {k} samples per item but num_samples="
                 f"{num_samples} (--samples); raise --samples to >= {k} or lower --k"
@@ -117,10 +135,10 @@ def check_request(
             f"mode='single' (--mode single) plays one model on the task's one-agent variant, but {num_agents} "
             "agents were given: pass one, e.g. --models RUN/agents/agent_0 (or agent_1, whichever you compare)"
         )
-    if mode == "team" and num_agents < 2:
+    if mode == "team" and num_agents != 2:
         raise ConfigError(
-            f"mode='team' (--mode team) needs every agent of the team, but {num_agents} was given: pass all of "
-            "them (--run RUN or --models A B), or use --mode single for one model"
+            f"mode='team' (--mode team) plays the task's team of 2 agents, but {num_agents} were given: pass both "
+            "(--run RUN or --models A B), or use --mode single for one model"
         )
     if mode == "pipeline":
         if num_agents != 2:
@@ -344,9 +362,17 @@ def evaluate_task(
     ``samples``: one record per episode with ``item``, ``id``, ``sample``, ``turns`` (each turn's
     prompts and completions, per agent), ``reward``, ``success``, ``components``.
     """
-    check_request(task, mode, len(agents), num_samples, k_values, num_turns)
-    if batch_size < 1:
-        raise ConfigError(f"batch_size={batch_size} (--batch-size): must be >= 1")
+    check_request(
+        task,
+        mode,
+        len(agents),
+        num_samples,
+        k_values,
+        num_turns,
+        limit=limit,
+        max_new_tokens=max_new_tokens,
+        batch_size=batch_size,
+    )
     params = sampling_params(num_samples, temperature, max_new_tokens)
     protocol = task_protocol(task)
     source = protocol.default_source if source is None else source
@@ -415,7 +441,20 @@ def run_agent_paths(run_dir: str | Path) -> list[Path]:
 def load_agents(sources: Sequence[str | Path], device: str | None = None) -> list[Agent]:
     """Load each model (path or hub id) as an :class:`Agent` on ``device`` (default: cuda when available)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
-    return [Agent.from_pretrained(str(source), device=device) for source in sources]
+    try:
+        torch.device(device)
+    except RuntimeError:
+        raise ConfigError(
+            f"device={device!r} (--device): not a torch device; use cpu, cuda or cuda:N"
+        ) from None
+    agents = []
+    for source in sources:
+        try:
+            agents.append(Agent.from_pretrained(str(source), device=device))
+        except OSError as exc:  # a missing folder, or a hub id that cannot be fetched
+            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+            raise ConfigError(f"cannot load the model {source}: {first}") from None
+    return agents
 
 
 def write_json(result: Mapping[str, Any], path: str | Path) -> Path:

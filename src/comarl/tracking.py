@@ -210,13 +210,22 @@ def read_metrics(path: str | Path) -> list[dict]:
     """Read a ``metrics.jsonl`` file into a list of dicts (blank lines are skipped, and a last row cut off by a
     run killed while writing it)."""
     with open(path, encoding="utf-8") as handle:
-        lines = [line for line in handle if line.strip()]
-    if lines and not lines[-1].endswith("\n"):
+        lines = [(number, line) for number, line in enumerate(handle, 1) if line.strip()]
+    if lines and not lines[-1][1].endswith("\n"):
         try:
-            json.loads(lines[-1])
+            json.loads(lines[-1][1])
         except json.JSONDecodeError:
             lines.pop()
-    return [json.loads(line) for line in lines]
+    rows = []
+    for number, line in lines:
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise ValueError(f"{path}, line {number}: not a JSON object ({exc.msg})") from None
+        if not isinstance(row, dict) or not isinstance(row.get("step"), int):
+            raise ValueError(f"{path}, line {number}: a metrics row is a JSON object with an integer 'step'")
+        rows.append(row)
+    return rows
 
 
 def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:

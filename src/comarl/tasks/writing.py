@@ -69,8 +69,9 @@ STYLES = {
 
 
 def words(text: str) -> list[str]:
-    """The words of a text: lower-cased runs of letters and digits (inner apostrophes kept: "don't")."""
-    return re.findall(r"[a-z0-9]+(?:'[a-z0-9]+)*", text.lower())
+    """The words of a text: lower-cased runs of letters and digits in any script (inner apostrophes kept, straight
+    or curly: "don't", "doesn’t"; "café" and "naïve" are one word each)."""
+    return re.findall(r"[^\W_]+(?:['’][^\W_]+)*", text.lower())
 
 
 def band_score(value: float, low: float, high: float) -> float:
