@@ -385,6 +385,14 @@ def test_bad_input_is_named():
         CodeEnv(num_agents=3)
     with pytest.raises(ValueError, match=r"CodeEnv: weights has keys \['tests'\]"):
         CodeEnv(weights={"tests": 1.0})
+    negative = {
+        "defined": 0.5,
+        "syntax": 0.5,
+        "tests": 1.0,
+        "helper_used": -1.0,
+    }  # sums to 1, but a total < 0
+    with pytest.raises(ValueError, match=r"CodeEnv: weights .* must be numbers >= 0 that sum to 1"):
+        CodeEnv(weights=negative)
     # 0 would switch the per-check timer off (setitimer(0)); a negative one fails every check
     for bad in (0, -1.0, float("nan")):
         with pytest.raises(

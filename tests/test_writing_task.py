@@ -107,6 +107,9 @@ def test_env_two_agents_one_agent_and_errors():
         writing.WritingEnv(num_agents=3)
     with pytest.raises(ValueError, match=r"weights has keys \['total'\]"):
         writing.WritingEnv(weights={"total": 1.0})
+    doubled = {name: 2 * w for name, w in writing.DEFAULT_WEIGHTS.items()}  # full marks would be 2.0
+    with pytest.raises(ValueError, match=r"WritingEnv: weights .* must be numbers >= 0 that sum to 1"):
+        writing.WritingEnv(weights=doubled)
     with pytest.raises(ValueError, match="style='poem'"):
         writing.WritingEnv(style="poem")
     with pytest.raises(ValueError, match="num_turns=2: the writing task is single-turn"):

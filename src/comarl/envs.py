@@ -112,6 +112,19 @@ class Env:
         return results
 
 
+def check_weights(owner: str, weights: Mapping[str, float]) -> None:
+    """A task's reward weights: each a finite number >= 0, summing to 1, so that a weighted total of components in
+    [0, 1] stays in [0, 1] with full marks 1.0. Raises ValueError naming ``owner``."""
+    values = list(weights.values())
+    numbers = all(
+        isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in values
+    )
+    if not numbers or min(values, default=0) < 0 or abs(sum(values) - 1) > 1e-6:
+        raise ValueError(
+            f"{owner}: weights {dict(weights)} must be numbers >= 0 that sum to 1 (the total then stays in [0, 1])"
+        )
+
+
 def step_in_place(env: Env, joint_action: Sequence[str]) -> StepResult:
     """``env.step`` for an environment that implements ``step_many``, which leaves its episodes as they were: one
     branch, whose state ``env`` then takes on, so that stepping by hand moves the episode on."""

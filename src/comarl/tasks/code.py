@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from comarl.envs import Env, History, Item, StepResult, step_in_place
+from comarl.envs import Env, History, Item, StepResult, check_weights, step_in_place
 from comarl.sandbox import RunResult, SandboxLimits, SandboxPool
 
 __all__ = [
@@ -721,6 +721,8 @@ class CodeEnv(Env):
         default = WEIGHTS if num_agents == 2 else SINGLE_WEIGHTS
         if weights is not None and set(weights) != set(default):
             raise ValueError(f"CodeEnv: weights has keys {sorted(weights)}; give exactly {sorted(default)}")
+        if weights is not None:
+            check_weights("CodeEnv", weights)
         self.num_agents = num_agents
         self.num_turns = num_turns
         self.limits = SandboxLimits() if limits is None else limits

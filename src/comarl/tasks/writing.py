@@ -29,7 +29,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from comarl.envs import Env, StepResult, step_in_place
+from comarl.envs import Env, StepResult, check_weights, step_in_place
 
 PART_MARKER = "---"
 DEFAULT_WEIGHTS = {"structure": 0.3, "coordination": 0.3, "diversity": 0.2, "non_redundancy": 0.2}
@@ -245,6 +245,7 @@ class WritingEnv(Env):
             raise ValueError(
                 f"WritingEnv: weights has keys {sorted(weights)}; give exactly {sorted(DEFAULT_WEIGHTS)}"
             )
+        check_weights("WritingEnv", weights)
         self.num_agents = num_agents
         self.style = _style(style)
         self.weights = weights
