@@ -532,3 +532,35 @@ def test_environment_and_trainer_turn_limits_must_agree(qwen_bpe):
         ConfigError, match=r"env.num_turns=3 but args.num_turns=1: set the trainer's num_turns"
     ):
         MAGRPOTrainer(model=qwen_bpe, train_dataset=ITEMS, env=env, args=MAGRPOConfig(prompts_per_step=1))
+
+
+def test_early_termination_ends_episodes_for_success_and_the_greedy_baseline():
+    """A node whose team reward passes early_termination_threshold ends its episodes there: they count in
+    success (p0 succeeds at turn 1, p1 fails twice: 2 of the 6 ended joint actions), and MAReMax's greedy path
+    from that node stops there too (it went on to 1 + 0.9 x 1, giving two identical answers A = -0.9)."""
+    env = FunctionEnv(
+        lambda a, b, prompts: [1.0 if p == "p0" else 0.0 for p in prompts[0]],
+        lambda item: item["prompt"],
+        2,
+        reward_call="batched",
+        success_threshold=1.0,
+        transition=lambda i, c, h: ["again", "again"],
+        num_turns=2,
+    )
+    common = {"engine": CountingEngine(), "num_turns": 2, "discount": 0.9, "early_termination_threshold": 0.5}
+    rollout = collect(
+        env, fake_agents(2), [{"prompt": "p0"}, {"prompt": "p1"}], num_generations=2, params=[SamplingParams()] * 2,
+        **common,
+    )  # fmt: skip
+    assert rollout.depth.tolist() == [0, 0, 1, 1] and rollout.done[0].tolist() == [True, True]
+    values, _ = rollout_values_of(rollout)
+    assert values["success"].tolist() == [1.0, 1.0, 0.0, 0.0, 0.0, 0.0]
+    assert values["solved_turn"].tolist() == [1.0, 1.0]
+    baseline, _ = greedy_returns(
+        env, fake_agents(2), rollout, params=[SamplingParams(do_sample=False)] * 2, **common
+    )
+    assert baseline[0].tolist() == [
+        1.0,
+        1.0,
+    ]  # p0's greedy play ends with its first reward, as its samples do
+    assert baseline[1].tolist() == [0.0, 0.0]

@@ -758,3 +758,23 @@ def test_a_device_name_torch_does_not_know_is_a_config_error(qwen_bpe):
             reward_func=length_reward,
             args=MAGRPOConfig(agent_devices=["cpu", "gpu"], prompts_per_step=2),
         )
+
+
+def test_logged_samples_show_the_task_rewards_under_a_kl_reward_penalty(qwen_bpe):
+    """kl_penalty='reward' subtracts beta x KL from the returns the update learns from; samples.jsonl shows the
+    task's rewards, as the reward metric does (it showed r - beta KL: -0.017, 0.787, 1.576 for a reward of 1)."""
+    trainer = MAGRPOTrainer(
+        model=qwen_bpe,
+        num_agents=2,
+        train_dataset=DATA[:2],
+        reward_func=lambda a, b: [1.0] * len(a),
+        args=small_args(prompts_per_step=2, beta=0.5, kl_penalty="reward", log_completions=2),
+    )
+    torch.manual_seed(0)
+    with torch.no_grad():  # a reference unlike the policy, so the penalty is not 0
+        for reference in trainer.references:
+            for p in reference.parameters():
+                p.add_(0.05 * torch.randn_like(p))
+    metrics, samples = trainer.training_step(DATA[:2])
+    assert metrics["reward"] == 1.0 and metrics["agent_0/kl_penalty"] != 0.0
+    assert [s["rewards"] for s in samples] == [[1.0, 1.0], [1.0, 1.0]]

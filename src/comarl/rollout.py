@@ -39,7 +39,9 @@ class Rollout:
     depth: torch.Tensor  # [num_nodes]: the turn of each node (0 = the item's first turn)
     terminal: torch.Tensor  # [num_nodes, K]: the joint action has no child
     child: torch.Tensor  # [num_nodes, K]: the node the joint action leads to (-1: none)
-    done: torch.Tensor  # [num_nodes, K]: the environment ended the episode there
+    done: (
+        torch.Tensor
+    )  # [num_nodes, K]: the episode ended there (the environment said so, or early termination)
     success: torch.Tensor | None
     components: dict[str, torch.Tensor] = field(default_factory=dict)
     generate_seconds: float = 0.0  # time spent in generate, all turns
@@ -184,6 +186,7 @@ def collect(
     level_generations: list[list[Generation]] = []
     joint_rows: list[torch.Tensor] = []
     results: list[list[StepResult]] = []
+    terminated: list[int] = []  # nodes whose team reward passed early_termination_threshold
     children: dict[int, dict[int, int]] = {}
     generate_seconds = 0.0
     level = roots
@@ -220,6 +223,7 @@ def collect(
             if early_termination_threshold is not None:
                 team = sum(sum(r.rewards) / N for r in row) / len(row)
                 if team > early_termination_threshold:
+                    terminated.append(offset + j)  # its episodes end here: done, for returns and success
                     continue
             open_actions = [k for k, r in enumerate(row) if not r.done]
             if max_children is not None and len(open_actions) > max_children:
@@ -245,6 +249,7 @@ def collect(
         raise ValueError(f"{type(env).__name__}.step returned {rewards.shape[-1]} rewards for {N} agents")
     joint_index = torch.stack(joint_rows)
     done = torch.tensor([[r.done for r in row] for row in results])
+    done[terminated] = True
     node_returns, returns = credited_returns(rewards, done, children, joint_index, G, discount, backup)
     child = torch.full(done.shape, -1, dtype=torch.long)
     for n, kids in children.items():
@@ -291,6 +296,7 @@ def greedy_returns(
     params: Sequence[SamplingParams],
     num_turns: int = 1,
     discount: float = 1.0,
+    early_termination_threshold: float | None = None,
     pool: Any = None,
     parallel: AgentParallel | None = None,
     shards: Processes | None = None,
@@ -298,7 +304,8 @@ def greedy_returns(
     """The return of the team's greedy play from every node of ``rollout``: ``[num_nodes, N]`` (ReMax baseline).
 
     From node ``n`` at turn ``t`` every agent answers greedily (``params[i]`` with ``do_sample=False``),
-    the environment steps, and the team goes on greedily until the episode is done or the turn limit:
+    the environment steps, and the team goes on greedily until the episode is done, the turn limit, or (as the
+    sampled episodes) a team reward above ``early_termination_threshold``:
 
         b[n] = sum_{s >= 0} gamma^s * r_{t+s}(greedy path from n)
 
@@ -325,8 +332,11 @@ def greedy_returns(
         for j, (n, _, _, depth) in enumerate(active):
             result = results[j][0]
             totals[n] += weight * torch.tensor(result.rewards, dtype=torch.float32)
+            team = sum(result.rewards) / N
+            ends_early = early_termination_threshold is not None and team > early_termination_threshold
             if (
                 not result.done
+                and not ends_early
                 and depth + 1 < num_turns
                 and result.episode is not None
                 and result.observations

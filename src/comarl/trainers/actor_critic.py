@@ -151,6 +151,7 @@ class ActorCriticTrainer(MAGRPOTrainer):
         rollout = self._collect(items)
         t1 = time.perf_counter()
         metrics = rollout_metrics(rollout, self.data)  # the task's rewards
+        task_rewards = rollout.rewards  # what samples.jsonl shows, as the metrics: not less the KL penalty
         if args.kl_penalty == "reward" and self.references is not None:
             rollout = self._penalised(rollout, metrics)  # the critics learn the penalised returns too
 
@@ -206,7 +207,7 @@ class ActorCriticTrainer(MAGRPOTrainer):
                 "completions_per_s": completions / (t2 - t0),
             }
         )
-        return metrics, self._samples(items, rollout, advantages)
+        return metrics, self._samples(items, rollout, advantages, task_rewards)
 
     # ------------------------------------------------------------------ actor (and value head) update
     def update_actor(

@@ -457,6 +457,7 @@ class MAGRPOTrainer:
                 params=self._sampling(do_sample=False),
                 num_turns=args.num_turns,
                 discount=args.discount,
+                early_termination_threshold=args.early_termination_threshold,
                 pool=self.pool,
                 parallel=self.parallel,
                 shards=self._weight_shards(),
@@ -465,6 +466,7 @@ class MAGRPOTrainer:
             greedy = [baselines[:, i] for i in range(self.num_agents)]
         t1 = time.perf_counter()
         metrics = rollout_metrics(rollout, self.data)  # the task's rewards
+        task_rewards = rollout.rewards  # what samples.jsonl shows, as the metrics: not less the KL penalty
         if args.kl_penalty == "reward" and self.references is not None:
             rollout = self._penalised(rollout, metrics)
         advantages = []
@@ -499,7 +501,7 @@ class MAGRPOTrainer:
                 "completions_per_s": completions / (t2 - t0),
             }
         )
-        return metrics, self._samples(items, rollout, advantages)
+        return metrics, self._samples(items, rollout, advantages, task_rewards)
 
     def _penalised(self, rollout: Rollout, metrics: dict[str, float]) -> Rollout:
         """``rollout`` with each trained agent's rewards less ``beta x KL`` of the completion it played
@@ -931,8 +933,10 @@ class MAGRPOTrainer:
         )
 
     def _samples(
-        self, items: Sequence[Any], rollout: Rollout, advantages: list[torch.Tensor]
+        self, items: Sequence[Any], rollout: Rollout, advantages: list[torch.Tensor], rewards: torch.Tensor
     ) -> list[dict[str, Any]]:
+        """The first joint action of the first ``log_completions`` items, with the task's ``rewards``
+        ``[nodes, K, N]`` and the advantages."""
         G, samples = self.args.num_generations, []
         for b in range(min(len(items), self.args.log_completions)):
             k = 0
@@ -942,7 +946,7 @@ class MAGRPOTrainer:
                 {
                     "prompts": [str(rollout.generations[i].prompts[r]) for i, r in enumerate(rows)],
                     "completions": [rollout.generations[i].completions[r] for i, r in enumerate(rows)],
-                    "rewards": rollout.rewards[b, k].tolist(),
+                    "rewards": rewards[b, k].tolist(),
                     "advantages": [float(advantages[i][r]) for i, r in enumerate(rows)],
                 }
             )
