@@ -184,3 +184,25 @@ def test_checkpointing_follows_the_transformers_rename(version, called):
     set_activation_checkpointing(Model(), True, version)
     set_activation_checkpointing(Model(), False, version)
     assert calls == [called, called.replace("enable", "disable")]
+
+
+def test_no_dropout_in_training_mode_whatever_form_it_takes(qwen_bpe):
+    """transformers models apply attention dropout (Qwen2's attention_dropout, StarCoder2's residual_dropout) from
+    float attributes in training mode, not through nn.Dropout: the trainer's train-mode scoring then differed from
+    the eval-mode sampling policy (by 0.06 in a log-prob here). An Agent zeroes both kinds."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(qwen_bpe, attention_dropout=0.3)
+    assert model.config.attention_dropout == 0.3
+    agent = Agent(model, AutoTokenizer.from_pretrained(qwen_bpe))
+    torch.manual_seed(0)
+    gen = HFEngine().generate(agent, PROMPTS, 2, SamplingParams(max_new_tokens=5))
+    args = (gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask)
+    with torch.no_grad():
+        agent.model.train()
+        trained = [agent.completion_logprobs(*args) for _ in range(2)]
+        agent.model.eval()
+        sampled = agent.completion_logprobs(*args)
+    torch.testing.assert_close(trained[0], sampled, atol=0, rtol=0)
+    torch.testing.assert_close(trained[1], sampled, atol=0, rtol=0)
+    assert model.config.attention_dropout == 0.0

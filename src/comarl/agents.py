@@ -26,6 +26,23 @@ def _cache_argument(transformers_version: str) -> str:
 CACHE_ARGUMENT = _cache_argument(version("transformers"))
 
 
+def disable_dropout(model: Any) -> None:
+    """No dropout in RL: the policy that samples (eval mode) must be the policy that is scored (train mode). Zeroes
+    every ``nn.Dropout`` and every float module attribute named like ``*dropout*``, which transformers models pass
+    to attention or ``F.dropout`` in training mode (Qwen2's ``attention_dropout``, StarCoder2's
+    ``residual_dropout``: 0.1 in its configs)."""
+    for module in model.modules():
+        if isinstance(module, torch.nn.Dropout):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if "dropout" in name and isinstance(value, float):
+                setattr(module, name, 0.0)
+    config = getattr(model, "config", None)
+    for name, value in list(vars(config).items()) if config is not None else []:
+        if "dropout" in name and isinstance(value, float):
+            setattr(config, name, 0.0)
+
+
 def set_activation_checkpointing(model: Any, on: bool, transformers_version: str | None = None) -> None:
     """Turn activation checkpointing on or off: ``activation_checkpointing_enable`` / ``_disable`` from
     transformers 5.23 on, ``gradient_checkpointing_*`` before (5.23 renamed them; the old names warn until v6)."""
@@ -66,10 +83,7 @@ class Agent:
         self.generator: torch.Generator | None = None
         if device is not None:
             self.model.to(device)
-        for module in self.model.modules():
-            # The policy that samples must be the policy that is scored: no dropout in RL.
-            if isinstance(module, torch.nn.Dropout):
-                module.p = 0.0
+        disable_dropout(self.model)
         if next(self.model.parameters()).dtype != torch.float32:
             # AdamW keeps its master weights in the parameters themselves; bf16 compute is autocast.
             self.model.float()

@@ -164,8 +164,14 @@ class MAGRPOConfig:
     temperature: float = _help(
         "Sampling temperature; log-probs in the loss use the same temperature.", default=1.0
     )
-    top_p: float = _help("Nucleus sampling threshold (1.0 = off).", default=1.0)
-    top_k: int | None = _help("Top-k sampling (None or 0 = off).", default=None)
+    top_p: float = _help(
+        "Nucleus sampling threshold (1.0 = off). The loss scores the whole tempered distribution, as TRL does.",
+        default=1.0,
+    )
+    top_k: int | None = _help(
+        "Top-k sampling (None or 0 = off). The loss scores the whole tempered distribution, as TRL does.",
+        default=None,
+    )
 
     # --- joint actions, turns, rewards
     joint_mode: str = _help(

@@ -157,15 +157,13 @@ class CriticModel(nn.Module):
 
     def __init__(self, model: Any, tokenizer: Any, head: ValueHead, source: str | None = None) -> None:
         super().__init__()
-        from comarl.agents import prepare_tokenizer
+        from comarl.agents import disable_dropout, prepare_tokenizer
 
         self.model = model
         self.tokenizer = prepare_tokenizer(tokenizer)
         self.head = head
         self.source = source
-        for module in self.model.modules():
-            if isinstance(module, nn.Dropout):
-                module.p = 0.0
+        disable_dropout(self.model)  # the values the critic learns from must be the ones it is scored on
 
     @classmethod
     def from_pretrained(
