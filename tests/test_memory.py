@@ -312,3 +312,34 @@ def test_the_trainer_checks_what_every_process_puts_on_its_devices(qwen_bpe):
     assert trainer._check_memory([qwen_bpe] * 2, ["cpu"] * 2).startswith(
         "static training memory (before activations): cpu "
     )
+
+
+def test_two_names_of_one_memory_are_checked_together_and_fixes_fit_the_settings(tmp_path):
+    """'cpu' and 'cpu:0' are one memory: both agents count against it (each was checked alone, so a team that
+    could not fit went on to load). The fixes offered are ones the config accepts: MADPO drops its reference
+    through its own settings (beta is 0 there already), and one shared base is not offered again."""
+    from comarl import MADPOConfig, MADPOTrainer
+
+    path = huge_model_dir(tmp_path)
+    P = model_size(path).parameters
+    with pytest.raises(ConfigError, match=r"^the team does not fit on cpu: it needs at least") as e:
+        MAGRPOTrainer(
+            model=path, num_agents=2, train_dataset=DATA, reward_func=reward,
+            args=args(agent_devices=["cpu", "cpu:0"]),
+        )  # fmt: skip
+    assert f"{2 * 16 * P / GIB:.1f} GiB" in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        MADPOTrainer(
+            model=path, num_agents=2, train_dataset=DATA, reward_func=reward,
+            args=MADPOConfig(
+                prompts_per_step=2, num_generations=2, max_new_tokens=4, progress_bar=False,
+                candidates_from="current",
+            ),
+        )  # fmt: skip
+    assert "candidates_from='initial'" in str(e.value) and "beta=0" not in str(e.value)
+    with pytest.raises(ConfigError) as e:
+        MAGRPOTrainer(
+            model=path, num_agents=2, train_dataset=DATA, reward_func=reward,
+            args=args(lora_r=4, lora_shared_base=True),
+        )  # fmt: skip
+    assert "lora_shared_base=True with" not in str(e.value)

@@ -134,6 +134,17 @@ def model_memory(
     )
 
 
+def canonical_device(device: str) -> str:
+    """One name per device of this process: ``cpu`` for any CPU name (``cpu:0``), ``cuda:<index>`` for ``cuda``
+    (the current GPU), so that two names of one memory are checked together."""
+    dev = torch.device(device)
+    if dev.type == "cpu":
+        return "cpu"
+    if dev.type == "cuda" and dev.index is None:
+        return f"cuda:{torch.cuda.current_device() if torch.cuda.is_available() else 0}"
+    return str(dev)
+
+
 def device_identity(device: str) -> str:
     """What names one physical device across processes: a GPU's UUID (each process may number its GPUs its own way,
     e.g. under per-process ``CUDA_VISIBLE_DEVICES``), else the host name and the device (a machine's CPU memory)."""

@@ -20,6 +20,7 @@ import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import AbstractContextManager
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +59,7 @@ from comarl.envs import Env, FunctionEnv, comlrl_transition
 from comarl.memory import (
     ModelMemory,
     ModelSize,
+    canonical_device,
     check_fits,
     device_identity,
     free_memory,
@@ -291,6 +293,8 @@ class MAGRPOTrainer:
         every process stops when any does (one that went on would wait for the others forever)."""
         plan = self._memory_plan(members, devices)
         if self.processes is None:
+            # One memory under two names ('cpu' and 'cpu:0', 'cuda' and 'cuda:0') holds both names' models.
+            plan = [replace(m, device=canonical_device(m.device)) for m in plan]
             free = {d: free_memory(d) for d in {m.device for m in plan}}
             check_fits(plan, free, self._memory_fixes(members, devices))
             return summary(plan, free) if plan else None
@@ -361,23 +365,31 @@ class MAGRPOTrainer:
         if a.lora_r is None:
             fixes.append("lora_r=16 (train LoRA adapters: no gradients or AdamW states for the base weights)")
         if self._keeps_reference() and a.lora_r is None:
-            fixes.append(f"beta=0 (no KL reference copy; now beta={a.beta})")
-        if len(set(devices)) < len(devices) and torch.cuda.device_count() > 1:
+            fixes.append(self._reference_fix())
+        # Only fixes the config accepts with the settings it has: one model on one device cannot be spread out,
+        # and a shared model is not sharded.
+        one_model = a.lora_shared_base or a.share_weights
+        if len(set(devices)) < len(devices) and torch.cuda.device_count() > 1 and not one_model:
             fixes.append("agent_devices=[one device per agent], or agent_parallel=True under torchrun")
         if self.data is not None and self.data.world_size > 1 and not a.shard_weights:
             D = self.data.world_size
-            fixes.append(
-                f"shard_weights=True (each of the {D} data shards keeps 1/{D} of every agent's weights, gradients "
-                "and AdamW states)"
-            )
+            if not one_model:
+                fixes.append(
+                    f"shard_weights=True (each of the {D} data shards keeps 1/{D} of every agent's weights, "
+                    "gradients and AdamW states)"
+                )
             if not a.shard_optimizer:
                 fixes.append(
                     f"shard_optimizer=True (each of the {D} data shards keeps 1/{D} of every AdamW state)"
                 )
         named = {str(m) for m in members if isinstance(m, (str, Path))}
-        if len(members) > 1 and len(named) == 1 and not (a.lora_shared_base or a.share_weights):
+        if len(members) > 1 and len(named) == 1 and not (one_model or a.agent_parallel or a.shard_weights):
             fixes.append("lora_shared_base=True with lora_r= (one copy of the base for every agent)")
         return fixes
+
+    def _reference_fix(self) -> str:
+        """The setting that drops the KL reference copies (named in the out-of-memory error)."""
+        return f"beta=0 (no KL reference copy; now beta={self.args.beta})"
 
     # ------------------------------------------------------------------ training
     def train(self, resume_from_checkpoint: str | Path | bool | None = None) -> dict[str, float]:

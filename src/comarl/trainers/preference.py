@@ -76,6 +76,12 @@ class MADPOTrainer(MAGRPOTrainer):
         # moment they are sampled; candidates sampled later need a frozen copy (or the agent without adapters).
         return self.args.dpo_reference == "initial" and self.args.candidates_from == "current"
 
+    def _reference_fix(self) -> str:
+        return (
+            "candidates_from='initial' (the initial team's candidates carry their reference log-probs: no copy), "
+            "or dpo_reference='none'"
+        )
+
     # ------------------------------------------------------------------ one training step
     def training_step(self, items: Sequence[Any]) -> tuple[dict[str, float], list[dict[str, Any]]]:
         args, K = self.args, self.args.num_generations
