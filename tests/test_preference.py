@@ -254,6 +254,22 @@ def test_madpo_cached_reference_stays_on_the_cpu_with_the_policy_logprobs(qwen_b
     assert [r.device.type for r in ref] == ["cpu", "cpu"]
 
 
+def test_madpo_initial_step_refuses_items_it_has_no_candidates_for(qwen_bpe, tmp_path):
+    """candidates_from='initial' steps on the cached candidates of the items train() hands it; a training_step
+    called with other items trained on the last cached ones (or failed on an empty max())."""
+    trainer = MADPOTrainer(
+        model=qwen_bpe,
+        num_agents=2,
+        train_dataset=DATA,
+        reward_func=CountingReward(),
+        args=madpo_args(max_steps=1, output_dir=str(tmp_path)),
+    )
+    with pytest.raises(
+        ValueError, match=r"^MADPO.training_step: with candidates_from='initial' a step takes the cached"
+    ):
+        trainer.training_step(DATA[:2])
+
+
 def test_madpo_resumes_with_its_candidates(qwen_bpe, tmp_path):
     """The initial team's candidates are part of the checkpoint: a resumed run never samples again and ends
     where the unbroken run ends."""
@@ -441,6 +457,19 @@ def test_marlhf_saves_a_reward_model_that_reloads(qwen_bpe, tmp_path):
     assert torch.allclose(
         reward_scores(again.reward_model, texts), reward_scores(trainer.reward_model, texts)
     )
+    # a folder without a fitted head scored 0 everywhere (a zero head): every advantage 0, nothing learnt
+    for unfitted in (None, qwen_bpe):
+        with pytest.raises(
+            ConfigError,
+            match=r"fit_reward_model=False scores with reward_model= as it is, but .* has no value_head.pt",
+        ):
+            MARLHFTrainer(
+                model=qwen_bpe,
+                num_agents=2,
+                train_dataset=DATA,
+                reward_func=length_reward,
+                args=MARLHFConfig(**settings, reward_model=unfitted, fit_reward_model=False),
+            )
 
 
 @pytest.mark.slow

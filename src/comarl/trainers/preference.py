@@ -13,7 +13,7 @@ MADPO, one training step (``MADPOTrainer.training_step``):
 2. preference pairs from their team rewards;
 3. each agent's DPO margin on every pair,
    ``m_i = beta [(log pi_i(w_i) - log ref_i(w_i)) - (log pi_i(l_i) - log ref_i(l_i))]``;
-4. each agent one optimizer step (``num_iterations`` passes) on the team's loss
+4. each agent ``num_iterations`` optimizer steps (1 by default) on the team's loss
    ``-log sigmoid(sum_j m_j)``: the joint policy is the product of the agents' policies, so the
    team's margin is the sum of theirs, and agent i follows its gradient with respect to its own
    weights. ``dpo_margin="own"``: ``-log sigmoid(m_i)`` instead.
@@ -37,7 +37,7 @@ import torch
 from comarl.agents import Agent
 from comarl.algorithms import dpo_margins, preference_loss, preference_pairs, sequence_logprobs
 from comarl.config import ConfigError, MADPOConfig, MARLHFConfig
-from comarl.critics import CriticModel, joint_observation
+from comarl.critics import VALUE_HEAD_FILE, CriticModel, joint_observation
 from comarl.distributed import DataParallel, sum_and_clip_gradients
 from comarl.engines import Generation, concat_generations
 from comarl.envs import Env, StepResult, prompt_text
@@ -94,6 +94,15 @@ class MADPOTrainer(MAGRPOTrainer):
             metrics.update(rollout_metrics(rollout, self.data))
             generate_seconds = rollout.generate_seconds
         else:
+            # The cache is per dataset index: the step trains on the items train() handed it, by their indices.
+            if len(self._step_indices) != len(items) or any(
+                self.train_dataset[j] != item for j, item in zip(self._step_indices, items)
+            ):
+                raise ValueError(
+                    "MADPO.training_step: with candidates_from='initial' a step takes the cached candidates of the "
+                    "dataset items train() gives it; call train(), or set candidates_from='current' to step on "
+                    "items of your own"
+                )
             if self.candidates is None:
                 self.candidates, generate_seconds = self._initial_candidates()
             else:
@@ -454,6 +463,13 @@ class MARLHFTrainer(MAGRPOTrainer):
         source = a.reward_model or self.team[0].source
         if source is None:
             raise ConfigError("MARLHF: set reward_model= (a hub id or path); agent 0 was given as an object")
+        if not a.fit_reward_model and not (Path(source) / VALUE_HEAD_FILE).is_file():
+            # Without a fitted head every score would be 0, every advantage 0, and nothing would learn.
+            raise ConfigError(
+                f"fit_reward_model=False scores with reward_model= as it is, but {source} has no {VALUE_HEAD_FILE}: "
+                "point reward_model= at a fitted one (the reward_model/ folder a MARLHF run saves) or set "
+                "fit_reward_model=True"
+            )
         # Every process holds a copy of the reward model (with its first agent, whose device it shares): the copies
         # are fit together (each process scores its share of every batch of pairs, gradients summed), so they stay
         # equal, and each process scores its own joint answers.
