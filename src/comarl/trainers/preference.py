@@ -590,6 +590,7 @@ class MARLHFTrainer(MAGRPOTrainer):
                 params=self._sampling(),
                 pool=self.pool,
                 parallel=self.parallel,
+                shards=self._weight_shards(),  # one turn and equal chunks already keep them in step; as _collect
             )
             rewards = rollout.rewards.mean(dim=-1)
             pairs = preference_pairs(
