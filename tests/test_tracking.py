@@ -147,6 +147,50 @@ def test_tensorboard_sink_gets_the_logged_metrics(qwen_bpe, tmp_path):
         assert [p.value for p in points] == pytest.approx([row[key] for row in logged])
 
 
+def test_a_new_run_into_a_used_folder_replaces_its_logs(qwen_bpe, tmp_path):
+    """A run that does not resume replaces an earlier run's logs in its output_dir, as it replaces its checkpoints:
+    metrics.jsonl and samples.jsonl were appended to (steps 1, 2, 1, 2) and TensorBoard showed both runs."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    for _ in range(2):
+        _sink_trainer(qwen_bpe, output_dir=str(tmp_path), report_to=["tensorboard"]).train()
+    assert [row["step"] for row in read_metrics(tmp_path / "metrics.jsonl")] == [1, 2]
+    samples = [json.loads(line)["step"] for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert sorted(set(samples)) == [1, 2] and len(samples) == 2 * samples.count(1)
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    assert [p.step for p in events.Scalars("reward")] == [1, 2]
+
+
+def test_non_finite_metrics_are_written_as_null(tmp_path):
+    """json.dumps writes NaN / Infinity, which JSON parsers (JSON.parse, jq) reject: they are written as null,
+    and the plot skips them."""
+    with RunLogger(tmp_path, total_steps=2) as logger:
+        logger.log(1, {"reward": float("nan"), "agent_0/grad_norm": float("inf"), "success": 0.5})
+        logger.log(2, {"reward": 0.25, "agent_0/grad_norm": 1.0, "success": 0.5})
+        logger.log_samples(1, [{"rewards": [float("-inf"), 1.0]}])
+    text = (tmp_path / "metrics.jsonl").read_text()
+    assert "NaN" not in text and "Infinity" not in text
+    assert read_metrics(tmp_path / "metrics.jsonl")[0] == {
+        "step": 1, "reward": None, "agent_0/grad_norm": None, "success": 0.5
+    }  # fmt: skip
+    assert json.loads((tmp_path / "samples.jsonl").read_text())["rewards"] == [None, 1.0]
+    assert (tmp_path / "plot.png").exists()
+
+
+def test_the_progress_bar_moves_every_step_not_only_on_logged_ones(qwen_bpe, monkeypatch):
+    """With logging_steps=3 the bar stood at 0 for three steps, then jumped."""
+    from comarl import tracking
+
+    seen = []
+    advance = tracking.RunLogger.advance
+    monkeypatch.setattr(
+        tracking.RunLogger, "advance", lambda self, step: seen.append(step) or advance(self, step)
+    )
+    _sink_trainer(qwen_bpe, max_steps=4, logging_steps=3).train()
+    assert seen == [1, 2, 3, 4]
+
+
 def test_comlrl_wandb_config_logs_to_wandb(qwen_bpe, tmp_path, monkeypatch):
     """CoMLRL's wandb_config= turns the W&B sink on: wandb.init gets its project, name and dir, every logged step
     goes to run.log with its step, and the run is finished (a stand-in wandb module records the calls)."""
@@ -158,8 +202,8 @@ def test_comlrl_wandb_config_logs_to_wandb(qwen_bpe, tmp_path, monkeypatch):
         def log(self, metrics, step):
             calls.append(("log", step, metrics))
 
-        def finish(self):
-            calls.append(("finish",))
+        def finish(self, exit_code=None):
+            calls.append(("finish", exit_code))
 
     fake = types.ModuleType("wandb")
     fake.init = lambda **kwargs: calls.append(("init", kwargs)) or Run()
@@ -167,12 +211,18 @@ def test_comlrl_wandb_config_logs_to_wandb(qwen_bpe, tmp_path, monkeypatch):
     trainer = _sink_trainer(qwen_bpe, wandb_config={"project": "team", "name": "first", "dir": str(tmp_path)})
     assert trainer.args.report_to == ["wandb"]
     last = trainer.train()
+    assert calls[-1] == ("finish", 0)
     init = calls[0][1]
     assert (init["project"], init["name"], init["dir"]) == ("team", "first", str(tmp_path))
     assert init["config"]["num_generations"] == 2
     assert [c[1] for c in calls if c[0] == "log"] == [1, 2]
     assert calls[2][2]["reward"] == pytest.approx(last["reward"])
-    assert calls[-1] == ("finish",)
+    # a run that crashes is finished as failed (exit code 1), not shown as finished
+    crashing = _sink_trainer(qwen_bpe, wandb_config={"project": "team"})
+    crashing.training_step = lambda items: 1 / 0
+    with pytest.raises(Exception, match="division by zero"):
+        crashing.train()
+    assert calls[-1] == ("finish", 1)
 
 
 def test_wandb_sink_runs_offline(qwen_bpe, tmp_path, monkeypatch):

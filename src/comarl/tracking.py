@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from types import TracebackType
@@ -33,6 +34,18 @@ def _to_plain(value: Any) -> Any:
     return value
 
 
+def _finite(value: Any) -> Any:
+    """``value`` with every non-finite float (NaN, inf) inside it, at any depth, replaced by None."""
+    value = _to_plain(value)
+    if isinstance(value, float):
+        return value if math.isfinite(value) else None
+    if isinstance(value, dict):
+        return {k: _finite(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_finite(v) for v in value]
+    return value
+
+
 def _json_default(value: Any) -> Any:
     plain = _to_plain(value)
     if plain is value:
@@ -43,20 +56,22 @@ def _json_default(value: Any) -> Any:
 class TensorBoardSink:
     """Scalars to TensorBoard event files in ``log_dir`` (``torch.utils.tensorboard``; needs ``tensorboard``)."""
 
-    def __init__(self, log_dir: str | Path) -> None:
+    def __init__(self, log_dir: str | Path, start_step: int = 0) -> None:
         try:
             from torch.utils.tensorboard import SummaryWriter
         except ImportError as error:
             raise ImportError(
                 "report_to=['tensorboard'] needs tensorboard: pip install 'comarl[tensorboard]'"
             ) from error
-        self.writer = SummaryWriter(log_dir=str(log_dir))
+        # Steps after ``start_step`` that earlier event files hold (a resumed run redoes them; a new run into the
+        # same folder replaces them) are hidden, as the JSONL logs drop their rows.
+        self.writer = SummaryWriter(log_dir=str(log_dir), purge_step=start_step + 1)
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, global_step=step)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.writer.close()
 
 
@@ -73,8 +88,8 @@ class WandbSink:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
 
-    def close(self) -> None:
-        self.run.finish()
+    def close(self, failed: bool = False) -> None:
+        self.run.finish(exit_code=1 if failed else 0)  # a crashed run must not show as finished
 
 
 class TrackioSink:
@@ -91,7 +106,7 @@ class TrackioSink:
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.trackio.log(metrics, step=step)
 
-    def close(self) -> None:
+    def close(self, failed: bool = False) -> None:
         self.trackio.finish()
 
 
@@ -149,8 +164,10 @@ class RunLogger:
     def _write(self, name: str, row: dict[str, Any]) -> None:
         if self.run_dir is None:
             return
+        # NaN and inf as null: json.dumps would write NaN / Infinity, which is not JSON (JSON.parse, jq reject it)
+        text = json.dumps(_finite(row), default=_json_default, allow_nan=False)
         with open(self.run_dir / name, "a", encoding="utf-8") as handle:
-            handle.write(json.dumps(row, default=_json_default) + "\n")
+            handle.write(text + "\n")
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         """Append ``{"step": step, **metrics}`` to ``metrics.jsonl`` and advance the progress bar."""
@@ -167,6 +184,11 @@ class RunLogger:
             description = f"{self.description} {live}" if live else self.description
             self._progress.update(self._task, completed=step, description=description)
 
+    def advance(self, step: int) -> None:
+        """Move the progress bar to ``step`` (every step; ``log`` only runs every ``logging_steps``)."""
+        if self._progress is not None:
+            self._progress.update(self._task, completed=step)
+
     def log_samples(self, step: int, samples: list[dict]) -> None:
         """Append each sample, tagged with ``step``, as one line of ``samples.jsonl``."""
         for sample in samples:
@@ -179,15 +201,16 @@ class RunLogger:
         else:
             print(message)
 
-    def close(self) -> None:
-        """Stop the progress bar and write ``plot.png`` if metrics were logged."""
+    def close(self, failed: bool = False) -> None:
+        """Stop the progress bar, close the sinks (telling them whether the run ``failed``) and write ``plot.png``
+        if metrics were logged."""
         if self._closed:
             return
         self._closed = True
         if self._progress is not None:
             self._progress.stop()
         for sink in self.sinks:
-            sink.close()
+            sink.close(failed)
         metrics_path = self.metrics_path
         if metrics_path is not None and metrics_path.exists():
             # ValueError: none of the plotted keys was logged, so there is nothing to draw.
@@ -203,7 +226,7 @@ class RunLogger:
         exc: BaseException | None,
         traceback: TracebackType | None,
     ) -> None:
-        self.close()
+        self.close(failed=exc_type is not None)
 
 
 def read_metrics(path: str | Path) -> list[dict]:

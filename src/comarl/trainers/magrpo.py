@@ -108,11 +108,12 @@ class MAGRPOTrainer:
             raise ConfigError(
                 f"{type(self).__name__} needs args={self.config_class.__name__}(...), got {type(args).__name__}"
             )
-        self.args = args
-        # CoMLRL's wandb_config (project, entity, name, dir, tags, ...) turns on the W&B sink with those settings.
+        # CoMLRL's wandb_config (project, entity, name, dir, tags, ...) turns on the W&B sink with those settings
+        # (in this trainer's copy of the config: the caller's may configure another trainer).
         self.wandb_config = dict(wandb_config) if wandb_config is not None else None
         if self.wandb_config is not None and "wandb" not in args.report_to:
-            args.report_to = [*args.report_to, "wandb"]
+            args = replace(args, report_to=[*args.report_to, "wandb"])
+        self.args = args
 
         # Everything that can be checked without loading a model is checked first.
         sources = _team_sources(model, agent_model, agents, team, num_agents)
@@ -417,9 +418,11 @@ class MAGRPOTrainer:
             resume_from_checkpoint = found[-1]
         if resume_from_checkpoint:
             self.step = load_checkpoint(self, resume_from_checkpoint)
-            if run_dir is not None and writer:  # rows a stopped run wrote after its checkpoint are redone
-                for name in (METRICS_FILE, SAMPLES_FILE):
-                    truncate_log(run_dir / name, self.step)
+        if run_dir is not None and writer:
+            # Rows a stopped run wrote after its checkpoint are redone; a new run into a folder that holds an
+            # earlier run's logs replaces them (step 0), as it replaces that run's checkpoints past its own.
+            for name in (METRICS_FILE, SAMPLES_FILE):
+                truncate_log(run_dir / name, self.step)
         if run_dir is not None and writer:
             run_dir.mkdir(parents=True, exist_ok=True)
             self._write_config(run_dir)
@@ -429,7 +432,7 @@ class MAGRPOTrainer:
             total_steps=self.total_steps,
             console=args.progress_bar and writer,
             description=type(self).__name__.removesuffix("Trainer"),
-            sinks=self._sinks(run_dir) if writer else (),
+            sinks=self._sinks(run_dir, self.step) if writer else (),
         ) as logger:
             if self.memory_summary is not None and args.progress_bar and writer:
                 logger.print(self.memory_summary)
@@ -437,6 +440,7 @@ class MAGRPOTrainer:
                 self.step += 1
                 metrics, samples = self.training_step(items)
                 last = metrics
+                logger.advance(self.step)
                 if self.step % args.logging_steps == 0 or self.step == self.total_steps:
                     logger.log(self.step, metrics)
                     logger.log_samples(self.step, samples)
@@ -964,13 +968,14 @@ class MAGRPOTrainer:
             )
         return samples
 
-    def _sinks(self, run_dir: Path | None) -> list[Any]:
-        """The metric sinks of ``report_to``: TensorBoard in ``run_dir/tensorboard``, a W&B run, a trackio run."""
+    def _sinks(self, run_dir: Path | None, start_step: int = 0) -> list[Any]:
+        """The metric sinks of ``report_to``: TensorBoard in ``run_dir/tensorboard`` (steps after ``start_step``
+        that it holds from before are dropped), a W&B run, a trackio run."""
         from comarl.tracking import TensorBoardSink, TrackioSink, WandbSink
 
         args, sinks = self.args, []
         if "tensorboard" in args.report_to:
-            sinks.append(TensorBoardSink(Path(run_dir) / "tensorboard"))
+            sinks.append(TensorBoardSink(Path(run_dir) / "tensorboard", start_step))
         if "wandb" in args.report_to:
             given = self.wandb_config or {}
             init = {
