@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import sys
 
 import torch
@@ -48,6 +49,10 @@ def main() -> None:
         "eval": trainer.evaluate(),
         "local": trainer.local,
         "torch_seed": torch.initial_seed(),
+        # streams environments and joint-action sampling draw from: per data shard, equal within an episode's
+        # processes (agent_parallel)
+        "python_draw": random.random(),
+        "joint_seed": trainer.joint_generator.initial_seed(),
         "fitted": fitted,
         # parameters of each agent this process holds, and of the whole agent (shard_weights: a share of it)
         "held": {i: sum(local(p).numel() for p in trainer.team[i].model.parameters()) for i in trainer.local},

@@ -197,6 +197,11 @@ def test_two_processes_train_what_one_process_trains(
     ranks = _launch(trainer, agents, out, {**overrides, "save_steps": 2})  # and a checkpoint at the last step
     assert [r["local"] for r in ranks] == [[0], [1]]
     assert [r["torch_seed"] for r in ranks] == [5, 6]  # agents never share sampling random numbers
+    # but the processes of one episode step their copies of the environment alike: equal Python/joint streams
+    assert (
+        ranks[0]["python_draw"] == ranks[1]["python_draw"]
+        and ranks[0]["joint_seed"] == ranks[1]["joint_seed"]
+    )
     assert_metrics_equal(ranks, expected)  # every process reports the team's, every agent's and the critics'
     for r in ranks:
         assert r["eval"]["eval/reward"] == pytest.approx(expected_eval["eval/reward"], rel=1e-5)
@@ -296,6 +301,16 @@ def test_two_data_shards_train_what_one_process_trains(
             assert sum(r["reference_held"][i] for r in ranks) == whole
     assert_metrics_equal(ranks, expected)
     assert_saved_agents_compute(out, single)
+    # shards play different episodes: their Python/NumPy and joint-action streams differ (they were equal)
+    assert (
+        ranks[0]["python_draw"] != ranks[1]["python_draw"]
+        and ranks[0]["joint_seed"] != ranks[1]["joint_seed"]
+    )
+    # the rate counts every shard's completions, as one process's run on all the prompts does (not half)
+    m = ranks[0]["metrics"]
+    assert m["completions_per_s"] * m["time/step"] == pytest.approx(
+        expected["completions_per_s"] * expected["time/step"]
+    )
     checkpoint = out / "checkpoints" / "step_2"
     assert sorted(p.name for p in checkpoint.iterdir()) == [
         "process_0.pt",
@@ -435,6 +450,16 @@ def test_agents_by_data_shards_grid_trains_what_one_process_trains(
     assert [r["torch_seed"] for r in ranks] == [5, 6, 7, 8]
     assert_metrics_equal(ranks, expected)
     assert_saved_agents_compute(out, single)
+    # shards play different episodes: their Python/NumPy and joint-action streams differ (they were equal)
+    assert (
+        ranks[0]["python_draw"] != ranks[1]["python_draw"]
+        and ranks[0]["joint_seed"] != ranks[1]["joint_seed"]
+    )
+    # the rate counts every shard's completions, as one process's run on all the prompts does (not half)
+    m = ranks[0]["metrics"]
+    assert m["completions_per_s"] * m["time/step"] == pytest.approx(
+        expected["completions_per_s"] * expected["time/step"]
+    )
     checkpoint = out / "checkpoints" / "step_2"
     assert sorted(p.name for p in checkpoint.iterdir()) == [
         *(f"process_{r}.pt" for r in range(4)),

@@ -564,3 +564,49 @@ def test_early_termination_ends_episodes_for_success_and_the_greedy_baseline():
         1.0,
     ]  # p0's greedy play ends with its first reward, as its samples do
     assert baseline[1].tolist() == [0.0, 0.0]
+
+
+class RecordingProcesses:
+    """A stand-in for AgentParallel in one process: generates locally and records what check_same compares."""
+
+    def __init__(self) -> None:
+        self.checked: list[tuple[str, object]] = []
+
+    def generate_all(self, engine, agents, prompts, num_generations, params):  # noqa: ANN001, ANN201
+        return [engine.generate(a, p, num_generations, sp) for a, p, sp in zip(agents, prompts, params)]
+
+    def check_same(self, what, obj):  # noqa: ANN001, ANN201
+        self.checked.append((what, obj))
+
+
+def test_processes_compare_done_flags_and_next_prompts_not_only_rewards():
+    """Under agent_parallel every process steps its own copy of the environment. Two that score alike but
+    disagree on whether an episode goes on would play trees of different sizes and pair their collectives
+    wrongly (a crash or a hang): what they compare after each turn, and after each greedy step, includes the done
+    flags and next prompts."""
+
+    def play(goes_on: bool) -> list:
+        env = FunctionEnv(
+            lambda a, b, prompts: [1.0] * len(a),
+            lambda item: item["prompt"],
+            2,
+            reward_call="batched",
+            transition=(lambda i, c, h: ["again", "again"]) if goes_on else (lambda i, c, h: None),
+            num_turns=2,
+        )
+        processes = RecordingProcesses()
+        rollout = collect(
+            env, fake_agents(2), ITEMS[:1], engine=CountingEngine(), num_generations=2,
+            params=[SamplingParams()] * 2, num_turns=2, parallel=processes,
+        )  # fmt: skip
+        greedy_returns(
+            env, fake_agents(2), rollout, engine=CountingEngine(), params=[SamplingParams(do_sample=False)] * 2,
+            num_turns=2, parallel=processes,
+        )  # fmt: skip
+        return processes.checked
+
+    one, other = play(True), play(False)
+    assert [what for what, _ in one[:1]] == ["rewards, done flags or next prompts"]
+    assert any(what.startswith("greedy") for what, _ in one)
+    assert [r for r, _, _ in one[0][1][0]] == [r for r, _, _ in other[0][1][0]]  # the rewards alone agree
+    assert one[0][1] != other[0][1]

@@ -212,8 +212,13 @@ def collect(
             for j in range(len(level))
         ]
         level_results = env.step_many([n.episode for n in level], actions)
-        if parallel is not None:
-            parallel.check_same("rewards", [[r.rewards for r in row] for row in level_results])
+        if (
+            parallel is not None
+        ):  # every process must play the same tree: same rewards, same episodes going on
+            parallel.check_same(
+                "rewards, done flags or next prompts",
+                [[(r.rewards, r.done, r.observations) for r in row] for row in level_results],
+            )
         results.extend(level_results)
         next_level: list[_Node] = []
         for j, node in enumerate(level):
@@ -328,6 +333,11 @@ def greedy_returns(
         seconds += time.perf_counter() - started
         actions = [[[gens[i].completions[j] for i in range(N)]] for j in range(len(active))]
         results = env.step_many([ep for _, ep, _, _ in active], actions)
+        if parallel is not None:
+            parallel.check_same(
+                "greedy rewards, done flags or next prompts",
+                [[(r.rewards, r.done, r.observations) for r in row] for row in results],
+            )
         next_active = []
         for j, (n, _, _, depth) in enumerate(active):
             result = results[j][0]

@@ -197,7 +197,7 @@ class ActorCriticTrainer(MAGRPOTrainer):
         # every process reports every agent's and critic's metrics
         metrics.update(self._merged({k: v for k, v in metrics.items() if k.startswith(("agent_", "critic"))}))
         t2 = time.perf_counter()
-        completions = sum(len(g.completions) for g in rollout.generations)
+        completions = self._step_completions(rollout)
         metrics.update(
             {
                 "time/generate": rollout.generate_seconds,

@@ -182,9 +182,13 @@ class MAGRPOTrainer:
         self.local = [self.parallel.rank] if self.parallel is not None else list(range(n))
         if self.processes is not None and self.processes.rank > 0:
             # Agents sample from their own generators (below); the processes' global torch streams differ too, so
-            # that no other random numbers are shared between agents or shards. (Python's and NumPy's streams stay
-            # equal: environments may draw from them, and every process steps one.)
+            # that no other random numbers are shared between agents or shards.
             torch.manual_seed(args.seed + self.processes.rank)
+        if self.data is not None and self.data.rank > 0:
+            # Python's and NumPy's streams, which environments may draw from, differ between data shards (their
+            # items are different episodes) but not between the processes of one episode (agent_parallel), which
+            # must step their copies of the environment alike.
+            set_seed_python_numpy(args.seed + 1000 * self.data.rank)
         if self.parallel is not None:
             devices[self.parallel.rank] = self.parallel.device(devices)
         if self.data is not None:
@@ -280,7 +284,9 @@ class MAGRPOTrainer:
                 self._schedule(opt, self.training_steps_of(i)) if opt is not None else None
                 for i, opt in enumerate(self.optimizers)
             ]
-        self.joint_generator = torch.Generator().manual_seed(args.seed + 1)
+        # Joint-action subsets and max_children picks: a stream per data shard (equal within an episode's processes).
+        shard = self.data.rank if self.data is not None else 0
+        self.joint_generator = torch.Generator().manual_seed(args.seed + 1 + 1000 * shard)
         self.step = 0
 
     def _keeps_reference(self) -> bool:
@@ -507,7 +513,7 @@ class MAGRPOTrainer:
         # every process reports every agent's update metrics
         metrics.update(self._merged({k: v for k, v in metrics.items() if k.startswith("agent_")}))
         t2 = time.perf_counter()
-        completions = sum(len(g.completions) for g in rollout.generations)
+        completions = self._step_completions(rollout)
         metrics.update(
             {
                 "time/generate": generate_seconds,
@@ -807,6 +813,11 @@ class MAGRPOTrainer:
             agent.tokenizer.save_pretrained(path)
 
     # ------------------------------------------------------------------ helpers
+    def _step_completions(self, rollout: Rollout) -> float:
+        """The completions the team sampled this step: every data shard's (each process holds its own share)."""
+        count = float(sum(len(g.completions) for g in rollout.generations))
+        return count if self.data is None else self.data.sum_values({"n": count})["n"]
+
     def _merged(self, held: dict[Any, Any]) -> dict[Any, Any]:
         """``held`` (what this process computed: metrics, values by agent) merged with every other process's;
         ``held`` itself in a single-process run."""
@@ -1155,8 +1166,12 @@ def fused_adamw(params: Sequence[torch.Tensor]) -> bool:
 
 
 def set_seed(seed: int) -> None:
-    random.seed(seed)
     torch.manual_seed(seed)
+    set_seed_python_numpy(seed)
+
+
+def set_seed_python_numpy(seed: int) -> None:
+    random.seed(seed)
     try:
         import numpy as np
 
