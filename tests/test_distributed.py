@@ -450,10 +450,14 @@ def test_agents_by_data_shards_grid_trains_what_one_process_trains(
     assert [r["torch_seed"] for r in ranks] == [5, 6, 7, 8]
     assert_metrics_equal(ranks, expected)
     assert_saved_agents_compute(out, single)
-    # shards play different episodes: their Python/NumPy and joint-action streams differ (they were equal)
+    # one shard's processes (ranks 0, 1) play the same episodes: equal Python/NumPy and joint-action streams;
+    # shards (ranks 0, 2) play different ones: different streams
+    draws = [(r["python_draw"], r["joint_seed"]) for r in ranks]
     assert (
-        ranks[0]["python_draw"] != ranks[1]["python_draw"]
-        and ranks[0]["joint_seed"] != ranks[1]["joint_seed"]
+        draws[0] == draws[1]
+        and draws[2] == draws[3]
+        and draws[0][0] != draws[2][0]
+        and draws[0][1] != draws[2][1]
     )
     # the rate counts every shard's completions, as one process's run on all the prompts does (not half)
     m = ranks[0]["metrics"]
