@@ -245,14 +245,19 @@ def test_the_test_checks_with_the_prompts_functions_not_the_teams(env):
 
 
 def test_an_object_equal_to_everything_is_not_an_answer(env):
-    """An equality check compares only values made of built-in types: an object whose __eq__ says True to
-    anything passed 155 of the 164 problems."""
+    """An equality check compares only values made of built-in types, and an all-or-nothing check gets only such
+    answers: an object whose __eq__ says True to anything passed 155 of the 164 problems."""
     cheat = "class Anything:\n    def __eq__(self, other):\n        return True\n"
     result = play(env, ZERO, cheat, "def has_close_elements(numbers, threshold):\n    return Anything()\n")
     assert result.components["tests"] == 0.0 and result.info["success"] is False
     assert "not made of built-in types" in result.info["feedback"]
     nested = play(env, ZERO, cheat, "def has_close_elements(numbers, threshold):\n    return [Anything()]\n")
     assert nested.components["tests"] == 0.0
+    # HumanEval/53 checks in a loop (one all-or-nothing check): every answer the check asks for is held to it
+    looped = play(env, ITEMS["HumanEval/53"], cheat, "def add(x, y):\n    return Anything()\n")
+    assert looped.info["checks"] == 1 and looped.info["success"] is False
+    assert "not made of built-in types" in looped.info["feedback"]
+    assert play(env, ITEMS["HumanEval/53"], "", "def add(x, y):\n    return x + y\n").info["success"] is True
 
 
 def test_a_name_rebound_between_asserts_keeps_its_value_for_each_check():

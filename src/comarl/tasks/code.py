@@ -435,7 +435,17 @@ def build_program(
     split = split_checks(item["test"])
     if split is None:
         checks = [f"check({item['entry_point']})"]
-        functions = "\n\ndef _comarl_check_0(candidate):\n    check(candidate)\n"
+        # One all-or-nothing check (asserts in a loop): the candidate's every answer must be made of built-in
+        # types, as the split checks' compared values are.
+        functions = (
+            "\n\ndef _comarl_check_0(candidate):\n"
+            "    def answer(*args, **kwargs):\n"
+            "        got = candidate(*args, **kwargs)\n"
+            "        if not _comarl_plain(got):\n"
+            "            raise AssertionError('got ' + _comarl_short(got) + ', not made of built-in types')\n"
+            "        return got\n"
+            "    check(answer)\n"
+        )
     else:
         setups, asserts, checks = split
         functions = "".join(
