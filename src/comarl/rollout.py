@@ -39,9 +39,8 @@ class Rollout:
     depth: torch.Tensor  # [num_nodes]: the turn of each node (0 = the item's first turn)
     terminal: torch.Tensor  # [num_nodes, K]: the joint action has no child
     child: torch.Tensor  # [num_nodes, K]: the node the joint action leads to (-1: none)
-    done: (
-        torch.Tensor
-    )  # [num_nodes, K]: the episode ended there (the environment said so, or early termination)
+    # [num_nodes, K]: the episode ended there (the environment said so, or early termination)
+    done: torch.Tensor
     success: torch.Tensor | None
     components: dict[str, torch.Tensor] = field(default_factory=dict)
     generate_seconds: float = 0.0  # time spent in generate, all turns
@@ -212,24 +211,16 @@ def collect(
             for j in range(len(level))
         ]
         level_results = env.step_many([n.episode for n in level], actions)
-        if (
-            parallel is not None
-        ):  # every process must play the same tree: same rewards, same episodes going on
-            parallel.check_same(
-                "rewards, done flags or next prompts",
-                [[(r.rewards, r.done, r.observations) for r in row] for row in level_results],
-            )
+        _check_same_outcomes(parallel, "rewards, done flags or next prompts", level_results)
         results.extend(level_results)
         next_level: list[_Node] = []
         for j, node in enumerate(level):
             row = level_results[j]
             if depth + 1 == num_turns:
                 continue
-            if early_termination_threshold is not None:
-                team = sum(sum(r.rewards) / N for r in row) / len(row)
-                if team > early_termination_threshold:
-                    terminated.append(offset + j)  # its episodes end here: done, for returns and success
-                    continue
+            if _ends_early(row, early_termination_threshold, N):
+                terminated.append(offset + j)  # its episodes end here: done, for returns and success
+                continue
             open_actions = [k for k, r in enumerate(row) if not r.done]
             if max_children is not None and len(open_actions) > max_children:
                 pick = torch.randperm(len(open_actions), generator=generator)[:max_children].tolist()
@@ -292,6 +283,24 @@ def collect(
     )
 
 
+def _check_same_outcomes(
+    parallel: AgentParallel | None, what: str, results: Sequence[Sequence[StepResult]]
+) -> None:
+    """Under agent parallelism every process steps its own copy of the environment: stop when the processes
+    disagree on the rewards, on which episodes go on or on their next prompts (they would play different trees,
+    and their collectives would pair up wrongly)."""
+    if parallel is not None:
+        parallel.check_same(what, [[(r.rewards, r.done, r.observations) for r in row] for row in results])
+
+
+def _ends_early(results: Sequence[StepResult], threshold: float | None, num_agents: int) -> bool:
+    """Whether a node's joint actions ``results`` end its episodes by ``early_termination_threshold``: their mean
+    team reward (each one's mean over the agents) is above it."""
+    if threshold is None:
+        return False
+    return sum(sum(r.rewards) / num_agents for r in results) / len(results) > threshold
+
+
 def greedy_returns(
     env: Env,
     agents: Sequence[Agent],
@@ -333,20 +342,14 @@ def greedy_returns(
         seconds += time.perf_counter() - started
         actions = [[[gens[i].completions[j] for i in range(N)]] for j in range(len(active))]
         results = env.step_many([ep for _, ep, _, _ in active], actions)
-        if parallel is not None:
-            parallel.check_same(
-                "greedy rewards, done flags or next prompts",
-                [[(r.rewards, r.done, r.observations) for r in row] for row in results],
-            )
+        _check_same_outcomes(parallel, "greedy rewards, done flags or next prompts", results)
         next_active = []
         for j, (n, _, _, depth) in enumerate(active):
             result = results[j][0]
             totals[n] += weight * torch.tensor(result.rewards, dtype=torch.float32)
-            team = sum(result.rewards) / N
-            ends_early = early_termination_threshold is not None and team > early_termination_threshold
             if (
                 not result.done
-                and not ends_early
+                and not _ends_early(results[j], early_termination_threshold, N)
                 and depth + 1 < num_turns
                 and result.episode is not None
                 and result.observations
