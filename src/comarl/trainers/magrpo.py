@@ -184,11 +184,13 @@ class MAGRPOTrainer:
             # Agents sample from their own generators (below); the processes' global torch streams differ too, so
             # that no other random numbers are shared between agents or shards.
             torch.manual_seed(args.seed + self.processes.rank)
-        if self.data is not None and self.data.rank > 0:
+        # This process's data shard (0 without data parallelism): the random streams below are per shard.
+        shard = self.data.rank if self.data is not None else 0
+        if shard > 0:
             # Python's and NumPy's streams, which environments may draw from, differ between data shards (their
             # items are different episodes) but not between the processes of one episode (agent_parallel), which
             # must step their copies of the environment alike.
-            set_seed_python_numpy(args.seed + 1000 * self.data.rank)
+            set_seed_python_numpy(args.seed + 1000 * shard)
         if self.parallel is not None:
             devices[self.parallel.rank] = self.parallel.device(devices)
         if self.data is not None:
@@ -247,7 +249,6 @@ class MAGRPOTrainer:
             # Each agent samples from its own stream, seeded by its index: the same draws whether the team runs in
             # one process or one process per agent, and no random numbers shared between agents. Data shards
             # draw from streams of their own.
-            shard = self.data.rank if self.data is not None else 0
             agent.generator = torch.Generator(agent.device).manual_seed(args.seed + 200 + i + 1000 * shard)
         self.engine = HFEngine(bf16=args.bf16)
         distinct = {str(self.team[i].device) for i in self.local}
@@ -285,7 +286,6 @@ class MAGRPOTrainer:
                 for i, opt in enumerate(self.optimizers)
             ]
         # Joint-action subsets and max_children picks: a stream per data shard (equal within an episode's processes).
-        shard = self.data.rank if self.data is not None else 0
         self.joint_generator = torch.Generator().manual_seed(args.seed + 1 + 1000 * shard)
         self.step = 0
 
@@ -429,7 +429,6 @@ class MAGRPOTrainer:
             # earlier run's logs replaces them (step 0), as it replaces that run's checkpoints past its own.
             for name in (METRICS_FILE, SAMPLES_FILE):
                 truncate_log(run_dir / name, self.step)
-        if run_dir is not None and writer:
             run_dir.mkdir(parents=True, exist_ok=True)
             self._write_config(run_dir)
         last: dict[str, float] = {}
@@ -696,13 +695,17 @@ class MAGRPOTrainer:
         return totals
 
     def learning_agents(self) -> list[int]:
-        """The agents this process updates at the current step: every agent it trains but the frozen ones, and
-        with ``alternate_agents_every = k`` only the learner whose turn it is (turns of k steps, agent order)."""
+        """The agents this process updates at the current step (:meth:`learners_at`)."""
+        return [i for i in self.learners_at(self.step) if i in self.local]
+
+    def learners_at(self, step: int) -> list[int]:
+        """The agents that update at training step ``step`` (from 1): every agent but the frozen ones, and with
+        ``alternate_agents_every = k`` only the learner whose turn it is (turns of k steps, agent order)."""
         args = self.args
         learners = [i for i in range(self.num_agents) if i not in args.frozen_agents]
         if args.alternate_agents_every:
-            learners = [learners[((self.step - 1) // args.alternate_agents_every) % len(learners)]]
-        return [i for i in learners if i in self.local]
+            learners = [learners[((step - 1) // args.alternate_agents_every) % len(learners)]]
+        return learners
 
     # ------------------------------------------------------------------ evaluation and saving
     @torch.no_grad()
@@ -749,9 +752,8 @@ class MAGRPOTrainer:
     def checkpoint_state(self) -> dict[str, Any]:
         """What this process holds, for a checkpoint: its agents' weights, optimizers and schedules, and the
         joint-action stream (``comarl.checkpoint`` adds the global random streams)."""
-        sharded = (
-            self.args.shard_weights
-        )  # each process holds its own share of the weights and their AdamW state
+        # shard_weights: each process holds its own share of the weights and of their AdamW state
+        sharded = self.args.shard_weights
         return {
             "agents": {
                 i: {
@@ -883,14 +885,11 @@ class MAGRPOTrainer:
         )
 
     def training_steps_of(self, i: int) -> int:
-        """The training steps of the run in which agent ``i`` updates: all of them, or with
-        ``alternate_agents_every`` its turns, so that its schedule (warmup, decay to 0) spans its own updates."""
-        args = self.args
-        if not args.alternate_agents_every:
+        """The training steps of the run in which agent ``i`` updates (all of them, or with ``alternate_agents_every``
+        its turns), so that its schedule (warmup, decay to 0) spans its own updates."""
+        if not self.args.alternate_agents_every:
             return self.total_steps
-        learners = [j for j in range(self.num_agents) if j not in args.frozen_agents]
-        k = args.alternate_agents_every
-        return sum(learners[(s // k) % len(learners)] == i for s in range(self.total_steps))
+        return sum(i in self.learners_at(step) for step in range(1, self.total_steps + 1))
 
     def _tree_settings(self) -> dict[str, Any]:
         a = self.args
@@ -1127,9 +1126,7 @@ def adamw(
 def optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
     """What a checkpoint keeps of ``optimizer``: its state dict; of a sharded one, this process's share (every
     process writes its own part of a checkpoint)."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    if is_sharded(optimizer):
         state = optimizer.optim.state_dict()
         # The share receives the groups' settings (the schedule's learning rate) only when it steps: take the
         # wrapper's, which the schedule has already moved on.
@@ -1148,9 +1145,7 @@ def is_sharded(optimizer: torch.optim.Optimizer) -> bool:
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
     """Restore what :func:`optimizer_state` returned."""
-    from torch.distributed.optim import ZeroRedundancyOptimizer
-
-    if isinstance(optimizer, ZeroRedundancyOptimizer):
+    if is_sharded(optimizer):
         optimizer.optim.load_state_dict(state)
         # The wrapper hands its groups' settings to its share at every step: they must be the saved ones.
         for outer, inner in zip(optimizer.param_groups, optimizer.optim.param_groups):
