@@ -75,16 +75,18 @@ class Processes:
             if p.grad is None:  # another process may have a gradient for it
                 p.grad = torch.zeros_like(p)
         bucket: list[torch.Tensor] = []
+        size = 0
         for k, p in enumerate(params):
             bucket.append(p.grad)
-            if k == len(params) - 1 or sum(g.numel() for g in bucket) >= bucket_elements:
+            size += p.grad.numel()
+            if k == len(params) - 1 or size >= bucket_elements:
                 flat = torch.cat([g.reshape(-1) for g in bucket])
                 self._dist.all_reduce(flat, group=self.group)
                 offset = 0
                 for g in bucket:
                     g.copy_(flat[offset : offset + g.numel()].view_as(g))
                     offset += g.numel()
-                bucket = []
+                bucket, size = [], 0
 
 
 class AgentParallel(Processes):
