@@ -58,7 +58,7 @@ _TYPE_WORDS = {
 
 
 def _type_words(annotation: str) -> str:
-    """``int | None`` -> 'an integer or null'; ``list[str]`` -> 'a list of a string'."""
+    """``int | None`` -> 'an integer or null'; ``list[str]`` -> 'a list of strings'."""
     words = []
     for option in annotation.split(" | "):
         if option.startswith("list["):
@@ -1151,11 +1151,12 @@ def config_class(trainer: str) -> type[MAGRPOConfig]:
 def trainer_fields(trainer: str) -> set[str]:
     """The names a ``trainer``'s args take: its config's fields and the CoMLRL spellings mapped onto them."""
     cls = config_class(trainer)
-    initvars = {name for name, kind in cls.__annotations__.items() if "InitVar" in str(kind)}
-    for base in cls.__mro__[1:]:
-        initvars |= {
-            name for name, kind in getattr(base, "__annotations__", {}).items() if "InitVar" in str(kind)
-        }
+    initvars = {
+        name
+        for klass in cls.__mro__
+        for name, kind in vars(klass).get("__annotations__", {}).items()
+        if str(kind).startswith("InitVar")
+    }
     return {f.name for f in dataclasses.fields(cls)} | initvars
 
 
