@@ -20,7 +20,7 @@ from __future__ import annotations
 import copy
 import inspect
 import math
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -112,9 +112,12 @@ class Env:
         return results
 
 
-def check_weights(owner: str, weights: Mapping[str, float]) -> None:
-    """A task's reward weights: each a finite number >= 0, summing to 1, so that a weighted total of components in
-    [0, 1] stays in [0, 1] with full marks 1.0. Raises ValueError naming ``owner``."""
+def check_weights(owner: str, weights: Mapping[str, float], names: Iterable[str]) -> None:
+    """A task's reward weights: one for each component in ``names``, each a finite number >= 0, summing to 1, so
+    that a weighted total of components in [0, 1] stays in [0, 1] with full marks 1.0. Raises ValueError naming
+    ``owner``."""
+    if set(weights) != set(names):
+        raise ValueError(f"{owner}: weights has keys {sorted(weights)}; give exactly {sorted(names)}")
     values = list(weights.values())
     numbers = all(
         isinstance(w, (int, float)) and not isinstance(w, bool) and math.isfinite(w) for w in values

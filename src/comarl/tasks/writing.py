@@ -241,11 +241,7 @@ class WritingEnv(Env):
                 "writing both parts"
             )
         weights = dict(DEFAULT_WEIGHTS if weights is None else weights)
-        if set(weights) != set(DEFAULT_WEIGHTS):
-            raise ValueError(
-                f"WritingEnv: weights has keys {sorted(weights)}; give exactly {sorted(DEFAULT_WEIGHTS)}"
-            )
-        check_weights("WritingEnv", weights)
+        check_weights("WritingEnv", weights, DEFAULT_WEIGHTS)
         self.num_agents = num_agents
         self.style = _style(style)
         self.weights = weights
