@@ -251,8 +251,12 @@ def read_metrics(path: str | Path) -> list[dict]:
     return rows
 
 
+def _number(value: Any) -> bool:
+    return isinstance(value, int | float)
+
+
 def _series(rows: list[dict], key: str) -> tuple[list[float], list[float]]:
-    points = [(row["step"], row[key]) for row in rows if isinstance(row.get(key), int | float)]
+    points = [(row["step"], row[key]) for row in rows if _number(row.get(key))]
     return [step for step, _ in points], [value for _, value in points]
 
 
@@ -272,7 +276,10 @@ def plot_metrics(
     rows = read_metrics(metrics_path)
     present = [key for key in keys if any(_series(rows, name)[0] for name in (key, f"eval/{key}"))]
     if not present:
-        raise ValueError(f"none of the keys {list(keys)} appear in {metrics_path}")
+        logged = sorted(
+            {key for row in rows for key, value in row.items() if key != "step" and _number(value)}
+        )
+        raise ValueError(f"none of the keys {list(keys)} is in {metrics_path}; it has {logged}")
 
     figure = Figure(figsize=(5 * len(present), 3.5))
     FigureCanvasAgg(figure)
