@@ -236,17 +236,22 @@ def test_madpo_initial_candidates_are_sampled_once_and_carry_the_reference(qwen_
     assert samples[0]["rewards"][0] > samples[0]["rewards"][1]
 
 
-def test_madpo_cached_reference_stays_on_the_cpu_with_the_policy_logprobs(qwen_bpe, tmp_path, monkeypatch):
-    """_sequence_logprobs returns the policy's log-probs on the CPU, so the cached reference must stay there too:
-    moved to an agent's GPU it met CPU log-probs in dpo_margins and the step crashed. The agent is made to report
-    another device (meta) to see where the reference goes."""
-    trainer = MADPOTrainer(
-        model=qwen_bpe,
+def one_step_madpo(model, tmp_path) -> MADPOTrainer:
+    """A one-step MADPO run on the initial team's candidates (the default)."""
+    return MADPOTrainer(
+        model=model,
         num_agents=2,
         train_dataset=DATA,
         reward_func=CountingReward(),
         args=madpo_args(max_steps=1, output_dir=str(tmp_path)),
     )
+
+
+def test_madpo_cached_reference_stays_on_the_cpu_with_the_policy_logprobs(qwen_bpe, tmp_path, monkeypatch):
+    """_sequence_logprobs returns the policy's log-probs on the CPU, so the cached reference must stay there too:
+    moved to an agent's GPU it met CPU log-probs in dpo_margins and the step crashed. The agent is made to report
+    another device (meta) to see where the reference goes."""
+    trainer = one_step_madpo(qwen_bpe, tmp_path)
     trainer.train()
     monkeypatch.setattr(Agent, "device", property(lambda self: torch.device("meta")))
     generations, _, ref = trainer._cached([0, 1])
@@ -257,13 +262,7 @@ def test_madpo_cached_reference_stays_on_the_cpu_with_the_policy_logprobs(qwen_b
 def test_madpo_initial_step_refuses_items_it_has_no_candidates_for(qwen_bpe, tmp_path):
     """candidates_from='initial' steps on the cached candidates of the items train() hands it; a training_step
     called with other items trained on the last cached ones (or failed on an empty max())."""
-    trainer = MADPOTrainer(
-        model=qwen_bpe,
-        num_agents=2,
-        train_dataset=DATA,
-        reward_func=CountingReward(),
-        args=madpo_args(max_steps=1, output_dir=str(tmp_path)),
-    )
+    trainer = one_step_madpo(qwen_bpe, tmp_path)
     with pytest.raises(
         ValueError, match=r"^MADPO.training_step: with candidates_from='initial' a step takes the cached"
     ):
