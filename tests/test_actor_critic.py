@@ -163,6 +163,17 @@ def test_config_defaults_and_errors():
         ConfigError, match=r"tree_backup='max': the critic trainers' TD\(lambda\) targets average"
     ):
         IPPOConfig(tree_backup="max", num_turns=2)
+    # CoMLRL's IAC / MAAC spellings: two map onto comarl's fields, the others are refused with the fix
+    comlrl = IACConfig(value_clip_range=0.3, value_loss_coef=0.6, advantage_normalization=False)
+    assert (comlrl.value_clip, comlrl.value_coef, comlrl.whiten_advantages) == (0.3, 0.6, False)
+    with pytest.raises(
+        ConfigError, match=r"^use_separate_critic=True: a CoMLRL field .* exactly when critic_model="
+    ):
+        IACConfig(use_separate_critic=True)
+    with pytest.raises(
+        ConfigError, match=r"^critic_devices=\['cuda:0'\]: a CoMLRL field comarl does not take"
+    ):
+        MAACConfig(critic_devices=["cuda:0"])
 
 
 # ----------------------------------------------------------------------------- trainers on tiny models
@@ -171,6 +182,33 @@ def test_config_defaults_and_errors():
 @pytest.fixture(scope="module")
 def team(tmp_path_factory):
     return [str(p) for p in demo.build_team(tmp_path_factory.mktemp("ac") / "models")]
+
+
+def test_comlrl_critic_arguments_of_the_trainer(team):
+    """CoMLRL's IACTrainer(critic_model=...) / critics=[...] set the config's critic_model; what comarl cannot do is
+    refused by name before any model loads."""
+
+    def build(**kw):
+        return IACTrainer(
+            agents=team,
+            train_dataset=demo.dataset(),
+            reward_func=demo.meeting_reward,
+            formatters=[demo.formatter(0), demo.formatter(1)],
+            args=IACConfig(max_steps=1, num_generations=2, max_new_tokens=2, progress_bar=False),
+            **kw,
+        )
+
+    trainer = build(critic_model=team[0])
+    assert trainer.args.critic_model == team[0] and trainer.value_heads is None and len(trainer.critics) == 2
+    assert build(critics=[team[1], team[1]]).args.critic_model == team[1]
+    with pytest.raises(
+        ConfigError, match=r"^IACTrainer\(critics=\): comarl gives every agent a copy of one critic"
+    ):
+        build(critics=team)
+    with pytest.raises(
+        ConfigError, match=r"^IACTrainer\(metrics_callback=\): comarl has no per-rollout callback"
+    ):
+        build(metrics_callback=lambda rollouts: {})
 
 
 def answer_length(alice, bob, **_):

@@ -7,6 +7,7 @@ import pytest
 
 from comarl.config import (
     ConfigError,
+    IACConfig,
     MADPOConfig,
     MAGRPOConfig,
     MAREINFORCEConfig,
@@ -91,6 +92,15 @@ def test_advantage_normalization_alias():
         MAREINFORCEConfig(advantage_normalization=True)
     with pytest.raises(ConfigError, match=r"scale='batch' with baseline='greedy'"):
         MAGRPOConfig(baseline="greedy", scale="batch")
+    # CoMLRL's advantage_mode="raw" alone is REINFORCE: raw returns, unscaled
+    assert (MAGRPOConfig(advantage_mode="raw").baseline, MAGRPOConfig(advantage_mode="raw").scale) == (
+        "none",
+        "none",
+    )
+    # IAC / MAAC: CoMLRL's advantage_normalization whitens the batch's advantages
+    assert IACConfig(advantage_normalization=False).whiten_advantages is False
+    assert IACConfig(advantage_normalization=True).whiten_advantages is True
+    assert IACConfig(advantage_normalization=True).scale == "none"
 
 
 def test_reference_kl_aliases():
@@ -100,6 +110,8 @@ def test_reference_kl_aliases():
     # CoMLRL subtracts the KL from the returns: a reward term (k1 here, see docs/algorithms.md)
     assert MAGRPOConfig(reference_kl_enabled=True).kl_penalty == "reward"
     assert MAGRPOConfig(reference_kl_enabled=False).kl_penalty == "loss"
+    # CoMLRL's reference_kl_enabled defaults to False: the coefficient alone turns nothing on
+    assert MAGRPOConfig(reference_kl_coef=0.05).beta == 0.0
 
 
 @pytest.mark.parametrize(

@@ -417,6 +417,14 @@ def test_comlrl_external_transition_plugs_in_unchanged():
         {"prompt": "task"}, ["x", "y"], History.empty(2)
     ) == ["fix: x", "fix: y"]
 
+    # A formatter that declares external_prompts gets the prompt by that keyword, as CoMLRL calls it
+    def own(ex, external_prompts=None):
+        return external_prompts if external_prompts is not None else f"Q: {ex['prompt']}"
+
+    assert comlrl_transition(external_transition, 2, [own, fmt[1]])(
+        {"prompt": "task"}, ["x", "y"], History.empty(2)
+    ) == ["fix: x", "[main of task] fix: y"]
+
 
 def test_transition_returning_the_wrong_number_of_prompts():
     def one_prompt(item, completions, history):
@@ -502,7 +510,14 @@ def test_multi_turn_needs_a_transition(qwen_bpe):
 
 
 def test_multi_turn_eval_plays_independent_episodes(qwen_bpe):
-    """num_generations_eval=G over turns: G separate paths per item, not a G-ary tree."""
+    """num_generations_eval=G over turns: G separate paths per item, not a G-ary tree. CoMLRL's eval_logger gets
+    every episode's answers turn by turn, and eval_aggregator's keys are returned under eval/."""
+    hooks = {}
+
+    def eval_logger(agent_completions_turns, batch_items, prompts):
+        hooks.update(answers=agent_completions_turns, items=batch_items, prompts=prompts)
+        return [{"turns": len(turns)} for turns in agent_completions_turns[0]]
+
     trainer = MAGRPOTrainer(
         model=qwen_bpe,
         num_agents=2,
@@ -512,18 +527,32 @@ def test_multi_turn_eval_plays_independent_episodes(qwen_bpe):
         args=MAGRPOConfig(
             prompts_per_step=2, num_generations=2, max_new_tokens=2, num_turns=3, progress_bar=False
         ),
+        eval_logger=eval_logger,
+        eval_aggregator=lambda metrics, num_turns: {"turn_1/episodes": len(metrics), "turns": num_turns},
     )
-    calls = []
+    calls, generated = [], []
     generate = trainer.engine.generate
 
     def recording(agent, prompts, num_generations, params):
         calls.append((len(prompts), num_generations))
-        return generate(agent, prompts, num_generations, params)
+        generated.append(generate(agent, prompts, num_generations, params))
+        return generated[-1]
 
     trainer.engine.generate = recording
     result = trainer.evaluate(ITEMS, num_generations=3, do_sample=True)
     assert calls == [(2 * 3, 1)] * (2 * 3)  # 3 turns x 2 agents, each over 2 items x 3 episodes
     assert "eval/turn_3/reward" in result
+    # agent i's answer at turn t of episode e is what agent i generated for that episode at turn t
+    assert hooks["answers"] == [
+        [[generated[2 * t + i].completions[e] for t in range(3)] for e in range(6)] for i in range(2)
+    ]
+    assert hooks["items"] == [ITEMS[0]] * 3 + [ITEMS[1]] * 3
+    assert hooks["prompts"] == [ITEMS[0]["prompt"]] * 3 + [ITEMS[1]["prompt"]] * 3
+    assert (result["eval/turn_1/episodes"], result["eval/turns"]) == (6, 3)
+    with pytest.raises(ConfigError, match=r"^give eval_logger= and eval_aggregator= together"):
+        MAGRPOTrainer(
+            model=qwen_bpe, train_dataset=ITEMS, reward_func=lambda a, b: [0.0], eval_logger=eval_logger
+        )
 
 
 def test_environment_and_trainer_turn_limits_must_agree(qwen_bpe):

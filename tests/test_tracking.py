@@ -208,13 +208,20 @@ def test_comlrl_wandb_config_logs_to_wandb(qwen_bpe, tmp_path, monkeypatch):
     fake = types.ModuleType("wandb")
     fake.init = lambda **kwargs: calls.append(("init", kwargs)) or Run()
     monkeypatch.setitem(sys.modules, "wandb", fake)
-    trainer = _sink_trainer(qwen_bpe, wandb_config={"project": "team", "name": "first", "dir": str(tmp_path)})
+    sections = {"dataset": {"name": "tldr", "type": "summary"}, "output": {"verbose": False}}
+    trainer = _sink_trainer(
+        qwen_bpe,
+        wandb_config={"project": "team", "name": "first", "dir": str(tmp_path), "config_sections": sections},
+    )
     assert trainer.args.report_to == ["wandb"]
     last = trainer.train()
     assert calls[-1] == ("finish", 0)
     init = calls[0][1]
     assert (init["project"], init["name"], init["dir"]) == ("team", "first", str(tmp_path))
     assert init["config"]["num_generations"] == 2
+    # CoMLRL's config_sections join the run's config, the dataset's name and type as dataset_name / dataset_type
+    assert init["config"]["output"] == {"verbose": False}
+    assert (init["config"]["dataset_name"], init["config"]["dataset_type"]) == ("tldr", "summary")
     assert [c[1] for c in calls if c[0] == "log"] == [1, 2]
     assert calls[2][2]["reward"] == pytest.approx(last["reward"])
     # a run that crashes is finished as failed (exit code 1), not shown as finished

@@ -560,10 +560,40 @@ def test_config_is_checked_before_any_model_loads():
             reward_func=length_reward,
             args=MAGRPOConfig(num_generations=8, joint_mode="cross", prompts_per_step=1),
         )
+    # Without num_agents= the team size is args.num_agents (CoMLRL's IAC / MAAC take it from there alone)
+    with pytest.raises(ConfigError, match=r"num_generations \*\* num_agents = 8 \*\* 5 = 32768"):
+        MAGRPOTrainer(
+            model="/nonexistent/model",
+            train_dataset=DATA,
+            reward_func=length_reward,
+            args=MAGRPOConfig(num_agents=5, num_generations=8, joint_mode="cross", prompts_per_step=1),
+        )
     with pytest.raises(RewardFunctionError, match="takes 1 positional"):
         MAGRPOTrainer(
             model="/nonexistent/model", num_agents=2, train_dataset=DATA, reward_func=lambda a: [1.0]
         )
+
+
+def test_model_config(qwen_bpe):
+    """CoMLRL's model_config: its loading keys reach from_pretrained; a key comarl does not read is refused by
+    name before any model loads, never dropped."""
+    with pytest.raises(
+        ConfigError, match=r"^model_config: comarl reads .*, not \['special_tokens'\]. For special"
+    ):
+        MAGRPOTrainer(
+            model="/nonexistent/model",
+            train_dataset=DATA,
+            reward_func=length_reward,
+            model_config={"special_tokens": {"pad_token": "<pad>"}},
+        )
+    trainer = MAGRPOTrainer(
+        model=qwen_bpe,
+        num_agents=1,
+        train_dataset=DATA,
+        reward_func=length_reward,
+        model_config={"attn_implementation": "eager", "model_kwargs": {"attn_implementation": "sdpa"}},
+    )
+    assert trainer.team[0].model.config._attn_implementation == "eager"
 
 
 def test_team_errors(qwen_bpe):
@@ -606,8 +636,15 @@ def test_evaluate_overrides_dataset_samples_and_sampling(qwen_bpe):
         trainer.evaluate()
     calls = []
     trainer.env.rewards[0].func = lambda a, b: calls.append(len(a)) or [0.0] * len(a)
+    streams = [agent.generator.get_state() for agent in trainer.team]
     trainer.evaluate(DATA[:2], num_generations=3, do_sample=True)
     assert calls == [6]  # one batched call: 2 items x 3 aligned joint actions
+    # Sampled evaluation puts the agents' streams back: it never changes what training samples next
+    assert all(torch.equal(agent.generator.get_state(), s) for agent, s in zip(trainer.team, streams))
+    with pytest.raises(ConfigError, match=r"^evaluate\(num_generations=0\): must be an integer >= 1$"):
+        trainer.evaluate(DATA, num_generations=0)
+    with pytest.raises(ConfigError, match=r"^evaluate\(dataset\): the dataset is empty$"):
+        trainer.evaluate([])
 
 
 def test_agents_generate_concurrently_when_given_a_pool():

@@ -400,31 +400,33 @@ class MAGRPOConfig:
     reference_kl_coef: InitVar[float | None] = None
     parallel_training: InitVar[str | None] = None
 
-    def __post_init__(
-        self,
-        per_device_train_batch_size: int | None,
-        rollout_buffer_size: int | None,
-        agent_learning_rate: float | None,
-        advantage_mode: str | None,
-        advantage_normalization: bool | None,
-        reference_kl_enabled: bool | None,
-        reference_kl_coef: float | None,
-        parallel_training: str | None,
-    ) -> None:
-        comlrl = {
-            "per_device_train_batch_size": per_device_train_batch_size,
-            "rollout_buffer_size": rollout_buffer_size,
-            "agent_learning_rate": agent_learning_rate,
-            "advantage_mode": advantage_mode,
-            "advantage_normalization": advantage_normalization,
-            "reference_kl_enabled": reference_kl_enabled,
-            "reference_kl_coef": reference_kl_coef,
-            "parallel_training": parallel_training,
-        }
-        for name, value in comlrl.items():
-            annotation = MAGRPOConfig.__annotations__[name].removeprefix("InitVar[").removesuffix("]")
+    # CoMLRL 1.4.3 fields that comarl does not take, each with what to do instead.
+    train_batch_size: InitVar[int | None] = None
+    eval_batch_size: InitVar[int | None] = None
+    reference_devices: InitVar[Any] = None
+
+    def __post_init__(self, *initvars: Any) -> None:
+        self.take_comlrl_spellings(dict(zip(comlrl_spellings(type(self)), initvars)))
+        self.joint_mode = _JOINT_MODE_ALIASES.get(self.joint_mode, self.joint_mode)
+        self.validate()
+
+    def take_comlrl_spellings(self, given: dict[str, Any]) -> None:
+        """Map the CoMLRL spellings given (``None``: not given) onto the fields; refuse the ones comarl lacks."""
+        for name, value in given.items():
+            annotation = next(
+                vars(klass)["__annotations__"][name]
+                for klass in type(self).__mro__
+                if name in vars(klass).get("__annotations__", {})
+            )
+            annotation = annotation.removeprefix("InitVar[").removesuffix("]")
             if not _matches(value, annotation):
                 raise ConfigError(f"{name}={value!r}: must be {_type_words(annotation)}")
+            if value is not None and name in COMLRL_REFUSED:
+                raise ConfigError(
+                    f"{name}={value!r}: a CoMLRL field comarl does not take; {COMLRL_REFUSED[name]}"
+                )
+        per_device_train_batch_size = given["per_device_train_batch_size"]
+        rollout_buffer_size = given["rollout_buffer_size"]
         batch_sizes = {v for v in (per_device_train_batch_size, rollout_buffer_size) if v is not None}
         if len(batch_sizes) > 1:
             raise ConfigError(
@@ -432,27 +434,35 @@ class MAGRPOConfig:
             )
         if batch_sizes:
             self.prompts_per_step = batch_sizes.pop()
-        if agent_learning_rate is not None:
-            self.learning_rate = agent_learning_rate
+        if given["agent_learning_rate"] is not None:
+            self.learning_rate = given["agent_learning_rate"]
+        advantage_mode, advantage_normalization = given["advantage_mode"], given["advantage_normalization"]
         if advantage_mode is not None:
             if advantage_mode not in _ADVANTAGE_MODES:
                 raise ConfigError(
                     f"advantage_mode={advantage_mode!r}: choose one of {list(_ADVANTAGE_MODES)} (or set baseline=)"
                 )
             self.baseline = _ADVANTAGE_MODES[advantage_mode]
+            if advantage_normalization is None and self.baseline not in CENTRED_BASELINES:
+                self.scale = "none"  # raw returns are not scaled (scale='group' would refuse them below)
         if advantage_normalization is not None:
-            self.scale = "group" if advantage_normalization else "none"
-        if reference_kl_enabled is not None or reference_kl_coef is not None:
-            enabled = reference_kl_enabled if reference_kl_enabled is not None else True
-            self.beta = (reference_kl_coef if reference_kl_coef is not None else 0.1) if enabled else 0.0
-            if enabled:  # CoMLRL subtracts the KL from the returns
+            self.normalize_advantages(advantage_normalization)
+        reference_kl_enabled, reference_kl_coef = given["reference_kl_enabled"], given["reference_kl_coef"]
+        if reference_kl_enabled is not None:  # CoMLRL's default is off: reference_kl_coef alone does nothing
+            self.beta = (
+                (reference_kl_coef if reference_kl_coef is not None else 0.1) if reference_kl_enabled else 0.0
+            )
+            if reference_kl_enabled:  # CoMLRL subtracts the KL from the returns
                 self.kl_penalty = "reward"
+        parallel_training = given["parallel_training"]
         if parallel_training not in (None, "none", "null", "mp"):
             raise ConfigError(
                 f"parallel_training={parallel_training!r}: use 'none' or 'mp' (or set agent_devices=)"
             )
-        self.joint_mode = _JOINT_MODE_ALIASES.get(self.joint_mode, self.joint_mode)
-        self.validate()
+
+    def normalize_advantages(self, on: bool) -> None:
+        """CoMLRL's ``advantage_normalization``: the MAGRPO family's group scale."""
+        self.scale = "group" if on else "none"
 
     # ------------------------------------------------------------------ validation
     def validate(self) -> None:
@@ -827,6 +837,25 @@ class ActorCriticConfig(MAGRPOConfig):
         default=True,
     )
 
+    # CoMLRL 1.4.3's IAC / MAAC spellings: two map onto the fields above, the others are refused with the fix.
+    value_clip_range: InitVar[float | None] = None
+    value_loss_coef: InitVar[float | None] = None
+    use_separate_critic: InitVar[bool | None] = None
+    critic_devices: InitVar[Any] = None
+    critic_value_head_hidden_dim: InitVar[int | None] = None
+    value_head_hidden_dim: InitVar[int | None] = None
+
+    def take_comlrl_spellings(self, given: dict[str, Any]) -> None:
+        super().take_comlrl_spellings(given)
+        if given["value_clip_range"] is not None:
+            self.value_clip = given["value_clip_range"]
+        if given["value_loss_coef"] is not None:
+            self.value_coef = given["value_loss_coef"]
+
+    def normalize_advantages(self, on: bool) -> None:
+        """CoMLRL's ``advantage_normalization`` of IAC / MAAC: whitening over the batch."""
+        self.whiten_advantages = on
+
     def validate_advantage(self) -> None:
         if self.share_weights:
             raise ConfigError(
@@ -979,11 +1008,10 @@ class MADPOConfig(MAGRPOConfig):
     scale: str = _help("MADPO uses no advantages; only 'none'.", default="none")
     preference_num_candidates: InitVar[int | None] = None
 
-    def __post_init__(self, *initvars: Any) -> None:
-        *comlrl, candidates = initvars
-        if candidates is not None:
-            self.num_generations = candidates
-        super().__post_init__(*comlrl)
+    def take_comlrl_spellings(self, given: dict[str, Any]) -> None:
+        super().take_comlrl_spellings(given)
+        if given["preference_num_candidates"] is not None:
+            self.num_generations = given["preference_num_candidates"]
 
     def validate_advantage(self) -> None:
         if self.share_weights:
@@ -1151,13 +1179,26 @@ def config_class(trainer: str) -> type[MAGRPOConfig]:
 def trainer_fields(trainer: str) -> set[str]:
     """The names a ``trainer``'s args take: its config's fields and the CoMLRL spellings mapped onto them."""
     cls = config_class(trainer)
-    initvars = {
-        name
-        for klass in cls.__mro__
-        for name, kind in vars(klass).get("__annotations__", {}).items()
-        if str(kind).startswith("InitVar")
-    }
-    return {f.name for f in dataclasses.fields(cls)} | initvars
+    return {f.name for f in dataclasses.fields(cls)} | set(comlrl_spellings(cls))
+
+
+def comlrl_spellings(cls: type) -> list[str]:
+    """A config class's CoMLRL spellings (its ``InitVar`` pseudo-fields), in the order ``__post_init__`` gets them."""
+    return [name for name, f in cls.__dataclass_fields__.items() if str(f.type).startswith("InitVar")]
+
+
+# CoMLRL fields comarl does not take: what to do instead.
+COMLRL_REFUSED = {
+    "train_batch_size": "comarl takes one optimizer step per collected batch (prompts_per_step); micro_batch_size "
+    "and micro_batch_tokens bound memory",
+    "eval_batch_size": "evaluation runs prompts_per_step items per batch; remove it",
+    "reference_devices": "the KL reference lives on its agent's device (agent_devices); remove it",
+    "use_separate_critic": "a separate critic model is used exactly when critic_model= is set (in the config, or "
+    "to the trainer as CoMLRL's critic_model=), otherwise a value head on each agent's model; remove it",
+    "critic_devices": "a critic lives on its agent's device (the centralized one on agent 0's); remove it",
+    "critic_value_head_hidden_dim": "comarl's value heads are linear; remove it",
+    "value_head_hidden_dim": "comarl's value heads are linear; remove it",
+}
 
 
 def yaml_load(text: str) -> Any:

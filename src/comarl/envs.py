@@ -412,9 +412,11 @@ def comlrl_transition(
 
     As in CoMLRL, each returned prompt replaces ``item["prompt"]`` (the item's own prompt is then
     ``item["_original_prompt"]``) and goes through that agent's formatter again, unless
-    ``prompt_passthrough`` (CoMLRL: ``external_prompt_passthrough``).
+    ``prompt_passthrough`` (CoMLRL: ``external_prompt_passthrough``). A formatter that declares an
+    ``external_prompts`` parameter also gets the prompt by that keyword, as CoMLRL calls it.
     """
     fmts = _formatters(formatters, num_agents)
+    by_keyword = [_declares(f, "external_prompts") for f in fmts]
 
     def transition(item: Item, completions: list[str], history: History) -> list[Any] | None:
         prompts = external_transition(
@@ -430,10 +432,22 @@ def comlrl_transition(
             return prompts  # FunctionEnv reports the wrong count with the function's name
         # CoMLRL's formatters also see the item's own prompt as "_original_prompt"
         original = item.get("prompt", "")
-        return [fmts[i]({**item, "prompt": p, "_original_prompt": original}) for i, p in enumerate(prompts)]
+        items = [{**item, "prompt": p, "_original_prompt": original} for p in prompts]
+        return [
+            fmts[i](items[i], external_prompts=p) if by_keyword[i] else fmts[i](items[i])
+            for i, p in enumerate(prompts)
+        ]
 
     transition.__name__ = getattr(external_transition, "__name__", "external_transition")
     return transition
+
+
+def _declares(function: Callable[..., Any], name: str) -> bool:
+    """Whether ``function`` declares a parameter called ``name`` (builtins without a signature do not)."""
+    try:
+        return name in inspect.signature(function).parameters
+    except (TypeError, ValueError):
+        return False
 
 
 def prompt_text(prompt: Any) -> str:

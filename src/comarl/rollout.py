@@ -359,6 +359,26 @@ def greedy_returns(
     return totals, seconds
 
 
+def episode_answers(rollout: Rollout, items: Sequence[Any]) -> list[tuple[Any, list[list[str]]]]:
+    """Each episode of ``rollout`` as ``(its item, answers[turn][agent])``: one per joint action of each root
+    (root ``b`` plays ``items[b]``), followed turn by turn through its child's first joint action (the single-path
+    episodes that evaluation plays)."""
+    N = len(rollout.generations)
+    G = len(rollout.generations[0].completions) // len(rollout.depth)
+    episodes = []
+    for root in range(len(items)):
+        for k in range(rollout.joint_index.shape[1]):
+            node, joint, turns = root, k, []
+            while True:
+                rows = [node * G + int(rollout.joint_index[node, joint, i]) for i in range(N)]
+                turns.append([rollout.generations[i].completions[r] for i, r in enumerate(rows)])
+                node, joint = int(rollout.child[node, joint]), 0
+                if node < 0:
+                    break
+            episodes.append((items[root], turns))
+    return episodes
+
+
 def with_rewards(rollout: Rollout, rewards: torch.Tensor, discount: float, backup: str = "mean") -> Rollout:
     """``rollout`` with its immediate rewards replaced by ``rewards`` ``[num_nodes, K, N]`` (e.g. less a KL
     penalty) and its returns recomputed from them down the same tree, as :func:`collect` computes them."""

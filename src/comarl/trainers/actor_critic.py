@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Sequence
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -68,7 +69,41 @@ class ActorCriticTrainer(MAGRPOTrainer):
 
     config_class: type[ActorCriticConfig] = ActorCriticConfig
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        critic_model: Any = None,
+        critics: Any = None,
+        metrics_callback: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        """MAGRPOTrainer's arguments, plus CoMLRL's ``critic_model=`` (a hub id or path: the same as the config's
+        ``critic_model``) and ``critics=`` (one per agent, all naming the same model)."""
+        if metrics_callback is not None:
+            raise ConfigError(
+                f"{type(self).__name__}(metrics_callback=): comarl has no per-rollout callback; return extra numbers "
+                "from your environment's step as StepResult components (logged as reward/<name>)"
+            )
+        if critics is not None:
+            names = {str(c) if isinstance(c, (str, Path)) else None for c in critics}
+            if None in names or len(names) != 1:
+                raise ConfigError(
+                    f"{type(self).__name__}(critics=): comarl gives every agent a copy of one critic model; pass "
+                    "critic_model='<hub id or path>' instead"
+                )
+            critic_model = names.pop() if critic_model is None else critic_model
+        if critic_model is not None:
+            if not isinstance(critic_model, (str, Path)):
+                raise ConfigError(
+                    f"{type(self).__name__}(critic_model=): give a hub id or path, not a {type(critic_model).__name__}"
+                )
+            config = kwargs.get("args") or self.config_class()
+            if config.critic_model not in (None, str(critic_model)):
+                raise ConfigError(
+                    f"{type(self).__name__}(critic_model={str(critic_model)!r}) but args.critic_model="
+                    f"{config.critic_model!r}; give it once"
+                )
+            kwargs["args"] = replace(config, critic_model=str(critic_model))
         super().__init__(*args, **kwargs)
         a, N = self.args, self.num_agents
         # Under agent parallelism a process holds the critics of its own agent; the centralized critic

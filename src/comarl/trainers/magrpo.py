@@ -68,7 +68,7 @@ from comarl.memory import (
     sharing_devices,
     summary,
 )
-from comarl.rollout import Rollout, collect, greedy_returns, with_rewards
+from comarl.rollout import Rollout, collect, episode_answers, greedy_returns, with_rewards
 
 
 class MAGRPOTrainer:
@@ -102,6 +102,8 @@ class MAGRPOTrainer:
         transition: Callable[..., Any] | None = None,
         external_transition: Callable[..., Any] | None = None,
         wandb_config: dict[str, Any] | None = None,
+        eval_logger: Callable[..., Any] | None = None,
+        eval_aggregator: Callable[..., Any] | None = None,
     ) -> None:
         args = self.config_class() if args is None else args
         if not isinstance(args, self.config_class):
@@ -114,9 +116,19 @@ class MAGRPOTrainer:
         if self.wandb_config is not None and "wandb" not in args.report_to:
             args = replace(args, report_to=[*args.report_to, "wandb"])
         self.args = args
+        # CoMLRL's evaluation hooks, used together: see evaluate().
+        if (eval_logger is None) != (eval_aggregator is None):
+            raise ConfigError(
+                "give eval_logger= and eval_aggregator= together (CoMLRL's evaluation hooks), or neither"
+            )
+        self.eval_logger, self.eval_aggregator = eval_logger, eval_aggregator
 
         # Everything that can be checked without loading a model is checked first.
-        sources = _team_sources(model, agent_model, agents, team, num_agents)
+        _check_model_config(model_config)
+        # CoMLRL's IAC / MAAC take the team size from args.num_agents alone.
+        sources = _team_sources(
+            model, agent_model, agents, team, num_agents if num_agents is not None else args.num_agents
+        )
         n = len(sources)
         if train_dataset is None:
             raise ConfigError(
@@ -716,7 +728,14 @@ class MAGRPOTrainer:
 
         Greedy unless ``do_sample`` (default ``eval_do_sample``); ``num_generations`` completions per
         agent per item (default ``num_generations_eval``), joined aligned. Multi-turn: ``num_generations``
-        independent episodes per item, one answer per agent per turn.
+        independent episodes per item, one answer per agent per turn. Sampling draws from the agents' own
+        streams, which are put back afterwards: evaluating never changes what training samples.
+
+        With CoMLRL's hooks (``eval_logger=`` and ``eval_aggregator=`` given to the trainer), also
+        ``eval_logger(agent_completions_turns=, batch_items=, prompts=)`` over every evaluated episode
+        (``agent_completions_turns[i][e][t]``: agent i's answer at turn t of episode e; ``prompts[e]``:
+        the item's ``"prompt"``), then ``eval_aggregator(its result, num_turns=)``, whose keys are
+        returned under ``eval/``.
         """
         args = self.args
         dataset = self.eval_dataset if dataset is None else dataset
@@ -724,30 +743,57 @@ class MAGRPOTrainer:
             raise ConfigError(
                 "evaluate() needs a dataset: pass eval_dataset= to the trainer or evaluate(dataset)"
             )
+        if len(dataset) == 0:
+            raise ConfigError("evaluate(dataset): the dataset is empty")
+        G = args.num_generations_eval if num_generations is None else num_generations
+        if isinstance(G, bool) or not isinstance(G, int) or G < 1:
+            raise ConfigError(f"evaluate(num_generations={G!r}): must be an integer >= 1")
         count = len(dataset) if args.eval_num_samples is None else min(args.eval_num_samples, len(dataset))
         params = self._sampling(do_sample=args.eval_do_sample if do_sample is None else do_sample)
-        G = args.num_generations_eval if num_generations is None else num_generations
         parts: dict[str, list[torch.Tensor]] = {}
-        for start in range(0, count, args.prompts_per_step):
-            items = [dataset[j] for j in range(start, min(start + args.prompts_per_step, count))]
-            paths = 1
-            if args.num_turns > 1:
-                # G independent episodes per item (not a G-ary tree): each path samples one answer per turn.
-                items, paths = [item for item in items for _ in range(G)], G
-            rollout = collect(
-                self.task_env,
-                self.team.agents,
-                items,
-                engine=self.engine,
-                num_generations=G // paths,
-                params=params,
-                **self._tree_settings(),
-                parallel=self.parallel,
-                shards=self._weight_shards(),
+        episodes: list[tuple[Any, list[list[str]]]] = []  # (item, answers[turn][agent]) for the CoMLRL hooks
+        streams = {
+            i: self.team[i].generator.get_state() for i in self.local if self.team[i].generator is not None
+        }
+        try:
+            for start in range(0, count, args.prompts_per_step):
+                items = [dataset[j] for j in range(start, min(start + args.prompts_per_step, count))]
+                paths = 1
+                if args.num_turns > 1:
+                    # G independent episodes per item (not a G-ary tree): each path samples one answer per turn.
+                    items, paths = [item for item in items for _ in range(G)], G
+                rollout = collect(
+                    self.task_env,
+                    self.team.agents,
+                    items,
+                    engine=self.engine,
+                    num_generations=G // paths,
+                    params=params,
+                    **self._tree_settings(),
+                    parallel=self.parallel,
+                    shards=self._weight_shards(),
+                )
+                for key, values in rollout_values(rollout).items():
+                    parts.setdefault(key, []).append(values)
+                if self.eval_logger is not None:
+                    episodes += episode_answers(rollout, items)
+        finally:
+            for i, state in streams.items():
+                self.team[i].generator.set_state(state)
+        metrics = {
+            f"eval/{k}": float(torch.cat(v).nanmean()) for k, v in parts.items() if torch.cat(v).numel()
+        }
+        if self.eval_logger is not None and self.eval_aggregator is not None:
+            logged = self.eval_logger(
+                agent_completions_turns=[
+                    [[turn[i] for turn in turns] for _, turns in episodes] for i in range(self.num_agents)
+                ],
+                batch_items=[item for item, _ in episodes],
+                prompts=[item.get("prompt", "") if isinstance(item, dict) else "" for item, _ in episodes],
             )
-            for key, values in rollout_values(rollout).items():
-                parts.setdefault(key, []).append(values)
-        return {f"eval/{k}": float(torch.cat(v).nanmean()) for k, v in parts.items() if torch.cat(v).numel()}
+            for key, value in self.eval_aggregator(logged, num_turns=args.num_turns).items():
+                metrics[f"eval/{key}"] = value
+        return metrics
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What this process holds, for a checkpoint: its agents' weights, optimizers and schedules, and the
@@ -988,10 +1034,20 @@ class MAGRPOTrainer:
             sinks.append(TensorBoardSink(Path(run_dir) / "tensorboard", start_step))
         if "wandb" in args.report_to:
             given = self.wandb_config or {}
+            config = args.to_dict()
+            # CoMLRL's config_sections join the run's config; a dataset section's name and type also as
+            # dataset_name / dataset_type, as CoMLRL records them.
+            sections = given.get("config_sections")
+            if isinstance(sections, dict):
+                config.update(sections)
+                dataset = sections.get("dataset")
+                for key in ("name", "type") if isinstance(dataset, dict) else ():
+                    if dataset.get(key):
+                        config[f"dataset_{key}"] = dataset[key]
             init = {
                 "project": given.get("project") or args.wandb_project,
                 "name": given.get("name") or given.get("run_name") or args.run_name,
-                "config": args.to_dict(),
+                "config": config,
                 **{k: given[k] for k in ("entity", "dir", "tags", "id", "resume") if k in given},
             }
             if "dir" not in init and run_dir is not None:
@@ -1200,6 +1256,20 @@ def _team_sources(model: Any, agent_model: Any, agents: Any, team: Any, num_agen
         # One object cannot be n distinct agents: agent 0 trains it in place, the others train deep copies.
         return [base] + [copy.deepcopy(base) for _ in range(n - 1)]
     return [base] * n
+
+
+MODEL_CONFIG_KEYS = ("model_kwargs", "attn_implementation", "torch_dtype", "dtype")
+
+
+def _check_model_config(model_config: dict[str, Any] | None) -> None:
+    """``model_config`` (CoMLRL's) holds only keys the agents' loading reads: no other is silently dropped."""
+    unknown = sorted(set(model_config or {}) - set(MODEL_CONFIG_KEYS))
+    if unknown:
+        raise ConfigError(
+            f"model_config: comarl reads {list(MODEL_CONFIG_KEYS)}, not {unknown}. For special_tokens, add them to "
+            "the tokenizer (tokenizer.add_special_tokens(...), model.resize_token_embeddings(len(tokenizer))) and "
+            "pass tokenizer= and the model; remove the other keys"
+        )
 
 
 def _load_agent(
