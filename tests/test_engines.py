@@ -8,13 +8,15 @@ from transformers import GenerationConfig
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from comarl.agents import (
+    CACHE_ARGUMENT,
     Agent,
+    Team,
     _cache_argument,
     _shared_prompts,
     checkpointing_on,
     set_activation_checkpointing,
 )
-from comarl.engines import HFEngine, SamplingParams, next_tokens, sampling_scores
+from comarl.engines import HFEngine, SamplingParams, learned_position_limit, next_tokens, sampling_scores
 
 PROMPTS = ["a", "def add(a, b): return a", "alice and bob meet at the"]
 
@@ -206,3 +208,137 @@ def test_no_dropout_in_training_mode_whatever_form_it_takes(qwen_bpe):
     torch.testing.assert_close(trained[0], sampled, atol=0, rtol=0)
     torch.testing.assert_close(trained[1], sampled, atol=0, rtol=0)
     assert model.config.attention_dropout == 0.0
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"max_new_tokens": 0}, r"max_new_tokens=0 must be an integer >= 1"),
+        ({"min_new_tokens": -1}, r"min_new_tokens=-1 must be in \[0, max_new_tokens=128\]"),
+        (
+            {"min_new_tokens": 10, "max_new_tokens": 3},
+            r"min_new_tokens=10 must be in \[0, max_new_tokens=3\]",
+        ),
+        (
+            {"temperature": 0.0},
+            r"temperature=0.0 must be a finite number > 0 when sampling; for greedy .*do_sample=False",
+        ),
+        ({"temperature": -1.0}, r"temperature=-1.0 must be a finite number > 0"),
+        ({"temperature": float("inf")}, r"temperature=inf must be a finite number > 0"),
+        ({"temperature": float("nan")}, r"temperature=nan must be a finite number > 0"),
+        ({"top_p": 0.0}, r"top_p=0.0 must be in \(0, 1\]"),
+        ({"top_p": 1.5}, r"top_p=1.5 must be in \(0, 1\]"),
+        ({"top_k": -1}, r"top_k=-1 must be >= 0 \(0 or None = off\)"),
+    ],
+)
+def test_sampling_params_refuse_values_that_cannot_be_sampled(kwargs, message):
+    """temperature=0 drew token id V (past the vocabulary), a negative one the inverted distribution, top_k=-1
+    failed deep in torch.topk: SamplingParams refuses them, naming the field."""
+    with pytest.raises(ValueError, match=r"SamplingParams: " + message):
+        SamplingParams(**kwargs)
+
+
+def test_greedy_decoding_takes_any_temperature():
+    assert SamplingParams(temperature=0.0, do_sample=False).temperature == 0.0
+
+
+def test_nan_scores_never_draw_an_id_past_the_vocabulary():
+    """A NaN row made the inverse-CDF draw answer V (searchsorted past a NaN CDF): an id the embedding cannot take."""
+    logits = torch.randn(3, 5)
+    logits[1] = float("nan")
+    ids = next_tokens(logits, SamplingParams(), torch.tensor([0]))
+    assert ((ids >= 0) & (ids < 5)).all()
+
+
+@pytest.mark.parametrize("do_sample", [True, False])
+def test_generation_refuses_nan_logits(qwen_bpe, do_sample):
+    """A model that gives NaN logits (one NaN row of the output layer here) raises once decoding ends, instead of
+    returning tokens drawn from nothing."""
+    agent = Agent.from_pretrained(qwen_bpe)
+    with torch.no_grad():
+        agent.model.get_output_embeddings().weight[7] = float("nan")
+    params = SamplingParams(max_new_tokens=4, do_sample=do_sample)
+    with pytest.raises(
+        FloatingPointError,
+        match=r"sample_completions: Qwen2ForCausalLM gave NaN or infinite next-token logits for 6 of 6 rows",
+    ):
+        HFEngine().generate(agent, PROMPTS, 2, params)
+
+
+@pytest.fixture(scope="module")
+def gpt2_bpe(tmp_path_factory: pytest.TempPathFactory) -> str:
+    """A GPT-2 model (learned absolute positions) with 64 of them."""
+    from comarl.tiny import tiny_model
+
+    path = tmp_path_factory.mktemp("models") / "gpt2-bpe"
+    return str(tiny_model(path, kind="bpe", arch="gpt2", seed=0, max_position_embeddings=64))
+
+
+def test_context_past_learned_positions_is_refused_before_decoding(gpt2_bpe):
+    """GPT-2 indexes a table of n_positions positions: a longer context failed mid-generation with a bare IndexError.
+    Prompt + max_new_tokens up to the limit decode and score; one more is refused up front, naming the numbers."""
+    agent = Agent.from_pretrained(gpt2_bpe)
+    prompt = " ".join(["alice meets bob at the park"] * 8)
+    P = agent.encode([prompt])[0].shape[1]
+    assert P < 60
+    fits = SamplingParams(max_new_tokens=64 - P, min_new_tokens=64 - P)
+    gen = HFEngine().generate(agent, [prompt], 1, fits)
+    assert gen.completion_ids.shape == (1, 64 - P)
+    agent.completion_logprobs(gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask)
+    too_long = SamplingParams(max_new_tokens=65 - P)
+    Team([agent])
+    expected = (
+        rf"HFEngine.generate: agent 0: the longest prompt \({P} tokens\) \+ max_new_tokens={65 - P} is 65 positions, "
+        r"past the 64 learned positions of GPT2LMHeadModel \(config.n_positions\); shorten the prompts or lower"
+    )
+    with pytest.raises(ValueError, match=expected):
+        HFEngine().generate(agent, [prompt], 2, too_long)
+
+
+def test_only_learned_absolute_positions_have_a_limit(gpt2_bpe, qwen_bpe):
+    """RoPE computes any position (past max_position_embeddings quality may drop, but nothing fails): no limit."""
+    assert learned_position_limit(Agent.from_pretrained(gpt2_bpe).model) == ("n_positions", 64)
+    assert learned_position_limit(Agent.from_pretrained(qwen_bpe).model) is None
+
+
+class CacheIgnoringModel(torch.nn.Module):
+    """A trust_remote_code model written for an older transformers: it takes the cache as past_key_values and
+    swallows the cache= argument in **kwargs."""
+
+    def __init__(self, inner: torch.nn.Module) -> None:
+        super().__init__()
+        self.inner, self.config, self.generation_config = inner, inner.config, inner.generation_config
+
+    def forward(
+        self,
+        input_ids,
+        attention_mask,
+        position_ids,
+        past_key_values=None,
+        use_cache=None,
+        logits_to_keep=0,
+        **kwargs,
+    ):  # noqa: ANN001, ANN201, E501
+        return self.inner(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            position_ids=position_ids,
+            use_cache=use_cache,
+            logits_to_keep=logits_to_keep,
+            **{CACHE_ARGUMENT: past_key_values},
+        )
+
+
+def test_a_model_that_ignores_the_cache_is_refused(qwen_bpe):
+    """Both the decode loop and the shared-prompt log-probs silently ran without the prompt (log-probs off by 0.3)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = CacheIgnoringModel(AutoModelForCausalLM.from_pretrained(qwen_bpe))
+    agent = Agent(model, AutoTokenizer.from_pretrained(qwen_bpe))
+    message = r"CacheIgnoringModel ignored the KV cache passed as .*make its forward accept"
+    with pytest.raises(RuntimeError, match=message):
+        HFEngine().generate(agent, PROMPTS, 2, SamplingParams(max_new_tokens=3))
+    ids, mask = agent.encode(PROMPTS[1:] * 2)
+    completion = torch.ones(4, 3, dtype=torch.long)
+    with pytest.raises(RuntimeError, match=message):
+        agent.completion_logprobs(ids, mask, completion, torch.ones_like(completion))

@@ -76,6 +76,7 @@ class Agent:
         self.model = model
         self.tokenizer = prepare_tokenizer(tokenizer)
         self.role = role
+        self.index: int | None = None  # its place in a Team, which sets it
         self.formatter = formatter
         self.learning_rate = learning_rate
         self.source = source
@@ -88,6 +89,7 @@ class Agent:
             # AdamW keeps its master weights in the parameters themselves; bf16 compute is autocast.
             self.model.float()
         self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)
+        check_token_ids(self.model, self.tokenizer.pad_token_id, self.eos_token_ids)
 
     @classmethod
     def from_pretrained(
@@ -137,15 +139,37 @@ class Agent:
     def device(self) -> torch.device:
         return next(self.model.parameters()).device
 
+    @property
+    def label(self) -> str:
+        """How messages name this agent: its index in the team and its role, as far as they are known."""
+        name = "Agent" if self.index is None else f"agent {self.index}"
+        return f"{name} (role {self.role!r})" if self.role else name
+
     def encode(self, prompts: Sequence[Prompt]) -> tuple[torch.Tensor, torch.Tensor]:
         """Left-padded prompt ids and attention mask; chat messages go through the chat template."""
-        texts = [render_prompt(self.tokenizer, p) for p in prompts]
+        for i, prompt in enumerate(prompts):
+            check_prompt(prompt, f"{self.label}: prompts[{i}]")
         is_chat = [not isinstance(p, str) for p in prompts]
         if any(is_chat) and not all(is_chat):
             raise ValueError(
                 "Agent.encode: a batch mixes plain-text prompts and chat messages; use one kind per agent"
             )
-        enc = self.tokenizer(texts, return_tensors="pt", padding=True, add_special_tokens=not any(is_chat))
+        texts = [render_prompt(self.tokenizer, p) for p in prompts]
+        # Left padding whatever the tokenizer's padding_side says now (the caller may have changed it).
+        enc = self.tokenizer(
+            texts,
+            return_tensors="pt",
+            padding=True,
+            padding_side="left",
+            return_attention_mask=True,
+            add_special_tokens=not any(is_chat),
+        )
+        empty = (enc["attention_mask"].sum(dim=1) == 0).nonzero().flatten().tolist()
+        if empty:
+            raise ValueError(
+                f"{self.label}: prompts[{empty[0]}] ({texts[empty[0]]!r}) encodes to no tokens (the tokenizer adds "
+                "no BOS); make the formatter return a non-empty prompt"
+            )
         return enc["input_ids"].to(self.device), enc["attention_mask"].to(self.device)
 
     def completion_logprobs(
@@ -201,6 +225,7 @@ class Agent:
             logits_to_keep=1,
             **{CACHE_ARGUMENT: cache},
         )
+        check_cache_filled(cache, model)
         cache.batch_select_indices(row_to_prompt)
         logits = model(
             input_ids=torch.cat([prompt_ids[:, P - 1 :], completion_ids[:, :-1]], dim=1),
@@ -266,6 +291,42 @@ def prepare_tokenizer(tokenizer: Any) -> Any:
     return tokenizer
 
 
+def check_token_ids(model: Any, pad_token_id: int | None, eos_ids: Sequence[int]) -> None:
+    """Refuse a pad or EOS id outside the model's embedding rows (e.g. a pad token added to the tokenizer only):
+    generation would feed it to the model and fail deep in torch."""
+    try:
+        rows = model.get_input_embeddings().num_embeddings
+    except (AttributeError, NotImplementedError):
+        return  # a model that does not expose its embeddings: nothing to check against
+    if pad_token_id is None or not 0 <= pad_token_id < rows:
+        raise ValueError(
+            f"Agent: tokenizer.pad_token_id={pad_token_id} is outside the model's {rows} embedding rows; resize them "
+            "(model.resize_token_embeddings(len(tokenizer))) or leave the pad token unset so that EOS pads"
+        )
+    for eos in eos_ids:
+        if not 0 <= eos < rows:
+            raise ValueError(
+                f"Agent: EOS id {eos} (tokenizer.eos_token_id or model.generation_config.eos_token_id) is outside the "
+                f"model's {rows} embedding rows; set an EOS id of the model's vocabulary, or resize the embeddings "
+                "(model.resize_token_embeddings(len(tokenizer)))"
+            )
+
+
+def check_cache_filled(cache: Any, model: Any) -> None:
+    """Refuse a model whose prefill left ``cache`` empty: its forward ignored the cache argument (e.g. remote code
+    that takes only ``past_key_values`` and swallows ``**kwargs``), so every later step would run without the
+    prompt. Reads no tensor."""
+    layers = getattr(cache, "layers", None)
+    if layers is None or any(getattr(layer, "is_initialized", True) for layer in layers):
+        return
+    renamed = " (transformers 5.24 renamed past_key_values to cache)" if CACHE_ARGUMENT == "cache" else ""
+    raise RuntimeError(
+        f"{type(model).__name__} ignored the KV cache passed as {CACHE_ARGUMENT}={renamed}: its forward left it "
+        f"empty (a trust_remote_code model written for another transformers release?); make its forward accept "
+        f"{CACHE_ARGUMENT}= and fill that cache"
+    )
+
+
 def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
     """Every token id that ends a completion: the tokenizer's EOS and the model's generation EOS ids."""
     ids: list[int] = []
@@ -277,6 +338,19 @@ def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
     if not ids:
         raise ValueError("neither the tokenizer nor the model's generation config defines an EOS token")
     return ids
+
+
+def check_prompt(prompt: Any, where: str) -> None:
+    """Refuse anything but a prompt: a string, or a list/tuple of chat message dicts. ``where`` names the prompt."""
+    if isinstance(prompt, str):
+        return
+    if isinstance(prompt, (list, tuple)) and all(isinstance(m, dict) for m in prompt):
+        return
+    hint = {dict: " (wrap a single message in a list)", type(None): " (a formatter that forgot to return?)"}
+    raise TypeError(
+        f"{where}: got {type(prompt).__name__} {prompt!r:.80}{hint.get(type(prompt), '')}; a prompt is a string or a "
+        "list of chat messages like [{'role': 'user', 'content': ...}]: make the formatter return one"
+    )
 
 
 def render_prompt(tokenizer: Any, prompt: Prompt) -> str:
@@ -310,6 +384,9 @@ class Team:
                         "(copy.deepcopy(model)), or train one model in every role with share_weights=True"
                     )
         self.agents = list(agents)
+        for i, agent in enumerate(self.agents):
+            if isinstance(agent, Agent):
+                agent.index = i
 
     def __len__(self) -> int:
         return len(self.agents)

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from comarl.agents import CACHE_ARGUMENT, Agent, Prompt
+from comarl.agents import CACHE_ARGUMENT, Agent, Prompt, check_cache_filled
 from comarl.algorithms import completion_mask
 
 
@@ -24,6 +24,26 @@ class SamplingParams:
     top_p: float = 1.0
     top_k: int | None = None
     do_sample: bool = True
+
+    def __post_init__(self) -> None:
+        if self.max_new_tokens < 1:
+            raise ValueError(
+                f"SamplingParams: max_new_tokens={self.max_new_tokens!r} must be an integer >= 1"
+            )
+        if not 0 <= self.min_new_tokens <= self.max_new_tokens:
+            raise ValueError(
+                f"SamplingParams: min_new_tokens={self.min_new_tokens!r} must be in [0, max_new_tokens="
+                f"{self.max_new_tokens}]"
+            )
+        if self.do_sample and not (self.temperature > 0 and math.isfinite(self.temperature)):
+            raise ValueError(
+                f"SamplingParams: temperature={self.temperature!r} must be a finite number > 0 when sampling; "
+                "for greedy decoding use do_sample=False"
+            )
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"SamplingParams: top_p={self.top_p!r} must be in (0, 1] (1 = off)")
+        if self.top_k is not None and self.top_k < 0:
+            raise ValueError(f"SamplingParams: top_k={self.top_k!r} must be >= 0 (0 or None = off)")
 
 
 @dataclass
@@ -78,6 +98,7 @@ class HFEngine:
     ) -> Generation:
         tok = agent.tokenizer
         prompt_ids, prompt_mask = agent.encode(prompts)
+        check_context(agent, prompt_ids.shape[1], params.max_new_tokens)
         was_training = agent.model.training
         agent.model.eval()
         try:
@@ -107,6 +128,37 @@ class HFEngine:
             mask,
             repeated,
             texts,
+        )
+
+
+def learned_position_limit(model: Any) -> tuple[str, int] | None:
+    """``(config field, limit)`` for a model with learned absolute position embeddings (GPT-2's ``wpe``, OPT's
+    ``embed_positions``): positions from the limit on index past the table. None for any other model: RoPE and ALiBi
+    compute any position (past ``max_position_embeddings`` quality may drop, but nothing fails)."""
+    # The embedding tables by their own names (peft wraps a table it adapts as '<name>.base_layer').
+    tables = [
+        name.removesuffix(".base_layer").rsplit(".", 1)[-1]
+        for name, module in model.named_modules()
+        if isinstance(module, torch.nn.Embedding)
+    ]
+    if not any("pos" in table or table == "wpe" for table in tables):
+        return None
+    for field in ("n_positions", "max_position_embeddings"):
+        limit = getattr(model.config, field, None)
+        if isinstance(limit, int):
+            return field, limit
+    return None
+
+
+def check_context(agent: Agent, prompt_length: int, max_new_tokens: int) -> None:
+    """Refuse, before decoding, a prompt + ``max_new_tokens`` beyond a model's learned positions (once per call)."""
+    found = learned_position_limit(agent.model)
+    if found is not None and prompt_length + max_new_tokens > found[1]:
+        field, limit = found
+        raise ValueError(
+            f"HFEngine.generate: {agent.label}: the longest prompt ({prompt_length} tokens) + max_new_tokens="
+            f"{max_new_tokens} is {prompt_length + max_new_tokens} positions, past the {limit} learned positions of "
+            f"{type(agent.model).__name__} (config.{field}); shorten the prompts or lower max_new_tokens"
         )
 
 
@@ -157,7 +209,8 @@ def sample_completions(
     over all rows. Row r stops at its first EOS (later positions hold ``pad_token_id``); the loop
     ends when every row has stopped or after ``max_new_tokens``. Position ids follow the attention
     mask, as in ``model.generate`` with left padding. Tokens are drawn by :func:`next_tokens`, from
-    ``generator`` (torch's global stream when None).
+    ``generator`` (torch's global stream when None). Logits that are NaN or infinite (a model that overflowed)
+    make the call raise once decoding ends.
     """
     from transformers import DynamicCache
 
@@ -174,6 +227,7 @@ def sample_completions(
         logits_to_keep=1,
         **{CACHE_ARGUMENT: cache},
     ).logits[:, -1]
+    check_cache_filled(cache, model)
     if G > 1:
         cache.batch_repeat_interleave(G)
         logits = logits.repeat_interleave(G, dim=0)
@@ -183,13 +237,16 @@ def sample_completions(
     first_position = positions[:, -1:].repeat_interleave(G, dim=0) + 1
     tokens = torch.full((rows, T), pad_token_id, dtype=prompt_ids.dtype, device=device)
     running = torch.ones(rows, dtype=torch.bool, device=device)
+    # Each row's largest logits summed over the steps: NaN or infinite once the row's logits were (checked once, below).
+    top_logits = torch.zeros(rows, device=device)
     for t in range(T):
         chosen = next_tokens(logits, params, eos, suppress_eos=t < params.min_new_tokens, generator=generator)
+        top_logits += logits.amax(dim=-1)
         tokens[:, t] = torch.where(running, chosen, pad_token_id)
         running &= ~torch.isin(chosen, eos)
         # One host sync per step, as generate's stopping check: stop once every row has ended.
         if t + 1 == T or not bool(running.any()):
-            return tokens[:, : t + 1]
+            break
         logits = model(
             input_ids=tokens[:, t : t + 1],
             attention_mask=attention[:, : P + t + 1],
@@ -197,7 +254,14 @@ def sample_completions(
             use_cache=True,
             **{CACHE_ARGUMENT: cache},
         ).logits[:, -1]
-    return tokens
+    broken = int((~top_logits.isfinite()).sum())
+    if broken:
+        raise FloatingPointError(
+            f"sample_completions: {type(model).__name__} gave NaN or infinite next-token logits for "
+            f"{broken} of {rows} rows, nothing to draw from: its weights hold NaN/inf (a diverged "
+            "update?) or its activations overflowed; check the weights, or run in fp32 (bf16=False)"
+        )
+    return tokens[:, : t + 1]
 
 
 def next_tokens(
@@ -212,7 +276,9 @@ def next_tokens(
     The draw is by inverse CDF: with ``c = cumsum(softmax(z))`` and ``u = (1 - U[0, 1)) * c[-1]`` in
     ``(0, c[-1]]``, the token is the first ``i`` with ``c[i] >= u``, so ``P(i) = p[i] / c[-1]`` and a
     token of probability 0 is never drawn (``torch.multinomial`` draws the same distribution, more
-    slowly on CPU).
+    slowly on CPU). A row with nothing to draw from (NaN or infinite scores) still gets an id inside the
+    vocabulary; the caller refuses such rows (:func:`sample_completions` does, once per call: checking each
+    draw here would wait on the device at every token).
     """
     scores = sampling_scores(logits, params, eos, suppress_eos)
     if not params.do_sample:
@@ -224,7 +290,8 @@ def next_tokens(
     cdf = probs.cumsum(dim=-1).masked_fill(probs == 0, 0).cummax(dim=-1).values
     draw = torch.rand(cdf.shape[0], 1, device=cdf.device, dtype=cdf.dtype, generator=generator)
     u = (1 - draw) * cdf[:, -1:]
-    return torch.searchsorted(cdf, u).squeeze(1)
+    # A NaN CDF (NaN scores) makes searchsorted answer V, one past the vocabulary.
+    return torch.searchsorted(cdf, u).squeeze(1).clamp_(max=cdf.shape[-1] - 1)
 
 
 def sampling_scores(

@@ -1,0 +1,107 @@
+"""Agent: what it accepts as prompts and tokenizers, and the errors that name what to fix."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from comarl.agents import Agent, Team
+from comarl.engines import HFEngine, SamplingParams
+
+CHAT_TEMPLATE = "{% for m in messages %}{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}assistant:"
+GREEDY = SamplingParams(max_new_tokens=4, do_sample=False)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "message"),
+    [
+        (
+            None,
+            r"agent 1 \(role 'critic'\): prompts\[1\]: got NoneType None \(a formatter that forgot to return\?\)",
+        ),
+        (
+            3,
+            r"agent 1 \(role 'critic'\): prompts\[1\]: got int 3; a prompt is a string or a list of chat messages",
+        ),
+        (
+            {"role": "user", "content": "hi"},
+            r"prompts\[1\]: got dict \{'role': 'user', 'content': 'hi'\} \(wrap a single message in a list\)",
+        ),
+        (["hi"], r"prompts\[1\]: got list \['hi'\]; .*make the formatter return one"),
+    ],
+)
+def test_a_formatter_output_that_is_no_prompt_names_the_agent_and_the_prompt(qwen_bpe, prompt, message):
+    """None, an int or a single message dict were reported as "chat messages but the tokenizer has no chat_template"
+    (or a bare TypeError from the template): the error now names the agent, the prompt's position and its type."""
+    agents = [Agent.from_pretrained(qwen_bpe), Agent.from_pretrained(qwen_bpe, role="critic")]
+    Team(agents)
+    agents[1].tokenizer.chat_template = CHAT_TEMPLATE
+    with pytest.raises(TypeError, match=message):
+        agents[1].encode([[{"role": "user", "content": "a"}], prompt])
+    agents[1].tokenizer.chat_template = None
+    with pytest.raises(TypeError, match=message):
+        agents[1].encode(["a", prompt])
+
+
+def test_chat_messages_may_be_a_tuple(qwen_bpe):
+    agent = Agent.from_pretrained(qwen_bpe)
+    agent.tokenizer.chat_template = CHAT_TEMPLATE
+    as_list, _ = agent.encode([[{"role": "user", "content": "hi"}]])
+    as_tuple, _ = agent.encode([({"role": "user", "content": "hi"},)])
+    assert torch.equal(as_list, as_tuple)
+
+
+@pytest.mark.parametrize("prompts", [["alice and bob", ""], ["", ""]])
+def test_a_prompt_of_no_tokens_is_refused(qwen_bpe, prompts):
+    """With a tokenizer that adds no BOS, '' encoded to nothing: generation ran on a fully masked context (one empty
+    prompt) or failed in a reshape (all empty)."""
+    agent = Agent.from_pretrained(qwen_bpe)
+    position = prompts.index("")
+    with pytest.raises(ValueError, match=rf"Agent: prompts\[{position}\] \(''\) encodes to no tokens"):
+        HFEngine().generate(agent, prompts, 2, GREEDY)
+
+
+def test_a_pad_token_outside_the_embeddings_is_refused(qwen_bpe):
+    """add_special_tokens({'pad_token': ...}) without resizing the embeddings: Agent() accepted it and generation
+    died in torch's embedding lookup."""
+    tokenizer = AutoTokenizer.from_pretrained(qwen_bpe)
+    tokenizer.add_special_tokens({"pad_token": "[PAD]"})
+    message = (
+        r"Agent: tokenizer.pad_token_id=1024 is outside the model's 1024 embedding rows; resize them "
+        r"\(model.resize_token_embeddings\(len\(tokenizer\)\)\) or leave the pad token unset so that EOS pads"
+    )
+    with pytest.raises(ValueError, match=message):
+        Agent(AutoModelForCausalLM.from_pretrained(qwen_bpe), tokenizer)
+
+
+def test_an_eos_outside_the_embeddings_is_refused(qwen_bpe):
+    model = AutoModelForCausalLM.from_pretrained(qwen_bpe)
+    model.generation_config.eos_token_id = 5000
+    with pytest.raises(
+        ValueError, match=r"Agent: EOS id 5000 \(.*\) is outside the model's 1024 embedding rows"
+    ):
+        Agent(model, AutoTokenizer.from_pretrained(qwen_bpe))
+
+
+def test_a_tokenizer_that_returns_no_attention_mask(qwen_bpe):
+    """Tokenizers whose model_input_names leave out attention_mask made encode fail with KeyError."""
+    plain = Agent.from_pretrained(qwen_bpe)
+    bare = Agent(plain.model, AutoTokenizer.from_pretrained(qwen_bpe, model_input_names=["input_ids"]))
+    prompts = ["alice", "alice and bob"]
+    for got, expected in zip(bare.encode(prompts), plain.encode(prompts)):
+        assert torch.equal(got, expected)
+
+
+def test_right_padding_set_after_the_agent_still_pads_on_the_left(qwen_bpe):
+    """The tokenizer is the caller's object: padding_side='right' set on it later made generation condition on pads
+    (other tokens than each prompt alone) and the log-probs wrong."""
+    agent = Agent.from_pretrained(qwen_bpe)
+    prompts = ["alice", "alice and bob meet at the park"]
+    alone = [HFEngine().generate(agent, [p], 1, GREEDY).completion_ids[0] for p in prompts]
+    agent.tokenizer.padding_side = "right"
+    ids, mask = agent.encode(prompts)
+    assert mask[0, 0] == 0 and mask[0, -1] == 1  # left padded
+    batched = HFEngine().generate(agent, prompts, 1, GREEDY).completion_ids
+    for row, expected in zip(batched, alone):
+        assert torch.equal(row[: len(expected)], expected)
