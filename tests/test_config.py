@@ -179,6 +179,9 @@ def test_validation_errors_name_the_field(kwargs, message):
         ({"top_k": -3}, r"top_k=-3: must be >= 0 \(0 or None = off\)"),
         ({"eval_num_samples": 0}, r"eval_num_samples=0: must be >= 1 \(or None for all\)"),
         ({"lora_alpha": 0}, r"lora_alpha=0: must be a finite number > 0"),
+        # NumPy refused these only once the trainer seeded it, after the models were built
+        ({"seed": -1}, r"^seed=-1: must be an integer in \[0, 2\*\*31 - 1\]$"),
+        ({"seed": 2**31}, r"^seed=2147483648: must be an integer in \[0, 2\*\*31 - 1\]$"),
         ({"success_threshold": float("nan")}, r"success_threshold=nan: must be a finite number \(or None\)"),
         (
             {"reward_weights": [1.0, float("inf")]},

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from comarl import ConfigError, Env, MAGRPOConfig, MAGRPOTrainer, StepResult
+from comarl import ConfigError, Env, FunctionEnv, MAGRPOConfig, MAGRPOTrainer, StepResult
+from comarl.envs import RewardFunctionError
 
 
 class Guess(Env):
@@ -74,3 +75,42 @@ def test_default_step_many_isolates_sibling_joint_actions():
         ["b"],
         ["c"],
     ]  # each branch continues from its own state
+
+
+def test_a_failing_formatter_is_named_with_its_agent_and_item():
+    def helper_prompt(item):
+        return "helper: " + item["prompt"]  # the column is "question"
+
+    env = FunctionEnv(
+        lambda a, b: [0.0] * len(a), [lambda item: item["question"], helper_prompt], num_agents=2
+    )
+    with pytest.raises(
+        RuntimeError,
+        match=r"^formatter 'helper_prompt' \(agent 1\) raised on item \{'question': 'q'\}: KeyError: 'prompt'$",
+    ):
+        env.reset({"question": "q"})
+
+
+def test_a_column_named_like_the_completion_parameter_is_not_passed_twice():
+    """trl-lib/tldr has a "completion" column: the parameter holds the completions; the column stays in
+    batch_items (it was passed again by keyword: TypeError, multiple values for argument 'completion')."""
+    seen = {}
+
+    def length_reward(completion, **kwargs):
+        seen.update(kwargs)
+        return [float(len(c)) for c in completion]
+
+    env = FunctionEnv(length_reward, num_agents=1)
+    env.reset({"prompt": "TL;DR:", "completion": "the reference summary"})
+    assert env.step(["abc"]).rewards == [3.0]
+    assert "completion" not in seen and seen["prompt"] == ["TL;DR:"]
+    assert seen["batch_items"][0]["completion"] == "the reference summary"
+
+
+def test_a_bool_reward_is_refused_with_the_fix():
+    env = FunctionEnv(lambda a, b: [a[0] == b[0]], lambda item: item["prompt"], num_agents=2)
+    env.reset({"prompt": "p"})
+    with pytest.raises(
+        RewardFunctionError, match=r"returned True .*not bools; return float\(\.\.\.\) of the condition$"
+    ):
+        env.step(["x", "x"])

@@ -639,3 +639,55 @@ def test_processes_compare_done_flags_and_next_prompts_not_only_rewards():
     assert any(what.startswith("greedy") for what, _ in one)
     assert [r for r, _, _ in one[0][1][0]] == [r for r, _, _ in other[0][1][0]]  # the rewards alone agree
     assert one[0][1] != other[0][1]
+
+
+class SuccessWhenDone(Env):
+    """Two turns; reports info["success"] only on the step that ends the episode (agent 0's sample s0 wins)."""
+
+    num_agents = 2
+
+    def reset(self, item):
+        self.turn = 1
+        return ["p", "p"]
+
+    def step(self, joint_action):
+        hit = joint_action[0].endswith("s0")
+        self.turn += 1
+        done = hit or self.turn > 2
+        info = {"success": hit} if done else {}
+        return StepResult([float(hit)] * 2, done, None if done else ["again", "again"], info)
+
+
+def test_success_is_read_from_the_steps_that_end_episodes():
+    """G=2 aligned: s0 wins at turn 1; s1 goes on without a flag, then wins (s0) or fails (s1) at turn 2. The
+    success metric was dropped for want of a flag on the turn that went on."""
+    common = {"engine": CountingEngine(), "num_generations": 2, "params": [SamplingParams()] * 2}
+    rollout = collect(SuccessWhenDone(), fake_agents(2), ITEMS[:1], num_turns=2, **common)
+    assert rollout.success[0, 0] == 1.0 and math.isnan(rollout.success[0, 1])  # the open turn has no outcome
+    values, _ = rollout_values_of(rollout)
+    assert values["success"].tolist() == [1.0, 1.0, 0.0]
+    assert values["solved_turn"].tolist() == [1.0, 2.0]
+    # cut at the trainer's turn limit without a flag: the episode ended unsolved
+    values, _ = rollout_values_of(
+        collect(SuccessWhenDone(), fake_agents(2), ITEMS[:1], num_turns=1, **common)
+    )
+    assert values["success"].tolist() == [1.0, 0.0]
+
+
+def test_a_wrong_reward_count_on_some_steps_names_the_env_item_and_turn():
+    class SharedOnce(SuccessWhenDone):
+        def step(self, joint_action):
+            result = super().step(joint_action)
+            if self.turn > 2:
+                result.rewards = result.rewards[:1]  # a shared reward given once, at turn 2 only
+            return result
+
+    with pytest.raises(
+        ValueError,
+        match=r"^SharedOnce.step returned 1 rewards for 2 agents \(item \{'prompt': 'p0'\}, turn 2\): return one "
+        r"reward per agent \(repeat a shared reward\)$",
+    ):
+        collect(
+            SharedOnce(), fake_agents(2), ITEMS[:1], engine=CountingEngine(), num_generations=2,
+            params=[SamplingParams()] * 2, num_turns=2,
+        )  # fmt: skip

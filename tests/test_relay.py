@@ -5,8 +5,9 @@ from __future__ import annotations
 import pytest
 
 from comarl import MAGRPOConfig, MAGRPOTrainer
-from comarl.envs import History
+from comarl.envs import FunctionEnv, History
 from comarl.tasks import relay
+from comarl.tasks.demo import PLACES
 
 
 def test_relay_transition_ends_on_a_match_and_reports_the_partner():
@@ -16,6 +17,43 @@ def test_relay_transition_ends_on_a_match_and_reports_the_partner():
         "bob said museum . the park and the cafe are open . where will you meet bob ?",
         "alice said park . where will you meet alice ?",
     ]
+
+
+def _episode_return(item, turns, discount):
+    """The discounted team return of playing ``turns`` (joint answers) until the episode ends."""
+    env = FunctionEnv(
+        relay.relay_reward,
+        [relay.formatter(0), relay.formatter(1)],
+        num_agents=2,
+        reward_call="batched",
+        transition=relay.relay_transition,
+        num_turns=2,
+    )
+    env.reset(item)
+    total = 0.0
+    for t, answers in enumerate(turns):
+        result = env.step(answers)
+        total += discount**t * sum(result.rewards) / 2
+        if result.done:
+            break
+    assert result.done
+    return total
+
+
+def test_matching_at_turn_1_returns_at_least_as_much_as_missing_first():
+    """The score is paid when the episode ends: a miss then a match returns 1.0 with discount 1, and less than
+    matching at once with discount < 1 — failing first never pays (it paid 0.5 + 1.0 = 1.5)."""
+    item = {"city": "oslo", "open_places": ["park", "cafe"]}
+    at_once = _episode_return(item, [["park", "park"]], discount=1.0)
+    assert at_once == 1.0
+    misses = [
+        [a, b] for a in (*PLACES, "") for b in (*PLACES, "") if not (a == b and a in item["open_places"])
+    ]
+    for miss in misses:
+        assert _episode_return(item, [miss, ["cafe", "cafe"]], discount=1.0) == pytest.approx(1.0), miss
+        assert _episode_return(item, [miss, ["cafe", "cafe"]], discount=0.9) < at_once, miss
+    # two misses return the last turn's score: naming one open place each is 0.5, whatever came before
+    assert _episode_return(item, [["museum", "station"], ["park", "cafe"]], discount=1.0) == 0.5
 
 
 def _trainer(paths, num_turns, steps):
@@ -38,7 +76,8 @@ def _trainer(paths, num_turns, steps):
         agents=[str(p) for p in paths],
         train_dataset=relay.dataset(),
         eval_dataset=relay.dataset(),
-        reward_func=relay.meeting_reward,
+        # a one-turn episode ends at turn 1, so it is paid the game's score there
+        reward_func=relay.relay_reward if num_turns > 1 else relay.meeting_reward,
         formatters=[relay.formatter(0), relay.formatter(1)],
         transition=relay.relay_transition if num_turns > 1 else None,
         args=args,

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from comarl import MAGRPOConfig, MAGRPOTrainer
+import pytest
+
+from comarl import ConfigError, MAGRPOConfig, MAGRPOTrainer
 from comarl.envs import History
 from comarl.tasks import selfimprove, selfplay
 
@@ -16,6 +18,31 @@ def test_hide_and_seek_keeps_score_and_pays_per_agent():
     second = env.step(["cafe", "park"])  # hidden
     assert second.rewards == [1.0, 0.0] and second.done and second.info["score"] == [1, 1]
     assert env.step(["banana", "park"]).rewards == [0.0, 0.0]  # hiding nowhere scores nothing
+
+
+def test_hide_and_seek_rounds_are_the_turn_limit_the_trainer_must_use(tmp_path):
+    assert selfplay.HideAndSeek(rounds=3).num_turns == 3
+    with pytest.raises(
+        ConfigError, match=r"env.num_turns=3 but args.num_turns=1: set the trainer's num_turns"
+    ):  # it played 1 of the 3 rounds without a word
+        MAGRPOTrainer(
+            agents=[str(p) for p in selfplay.build_team(tmp_path)],
+            train_dataset=selfplay.dataset(),
+            env=selfplay.HideAndSeek(rounds=3),
+            args=MAGRPOConfig(prompts_per_step=2, num_turns=1),
+        )
+
+
+def test_hide_and_seek_rounds_stay_within_the_tiny_vocabulary():
+    words = {word for line in selfplay.corpus() for word in line.split()}
+    env = selfplay.HideAndSeek(rounds=selfplay.MAX_ROUNDS)
+    observations = env.reset({})
+    for _ in range(selfplay.MAX_ROUNDS - 1):  # the hider scores every round: the largest numbers shown
+        observations = env.step(["park", "cafe"]).observations
+    assert observations[0] == "round 9 . score hider 8 seeker 0 . hide in a place :"
+    assert {word for obs in observations for word in obs.split()} <= words  # no <unk> for the tokenizers
+    with pytest.raises(ValueError, match=r"HideAndSeek: rounds=10: choose an integer from 1 to 9"):
+        selfplay.HideAndSeek(rounds=10)
 
 
 def test_self_play_trains_over_rounds(tmp_path):

@@ -93,6 +93,9 @@ AGENT_SETTINGS = (
 JOINT_MODES = ("aligned", "cross")
 REWARD_CALLS = ("per_joint_action", "batched")
 LR_SCHEDULES = ("constant", "linear", "cosine")
+# NumPy takes seeds below 2**32 and the trainer seeds further streams with seed + offsets (up to
+# seed + 200 + agent + 1000 * data shard): the top half of that range is left to the offsets.
+MAX_SEED = 2**31 - 1
 
 # CoMLRL spellings accepted by `joint_mode` and `advantage_mode`.
 _JOINT_MODE_ALIASES = {"align": "aligned", "aligned": "aligned", "cross": "cross", "crossed": "cross"}
@@ -525,6 +528,8 @@ class MAGRPOConfig:
                 raise ConfigError(f"{name}={value!r}: must be a finite number (or None)")
         if self.reward_weights is not None and not all(math.isfinite(w) for w in self.reward_weights):
             raise ConfigError(f"reward_weights={self.reward_weights!r}: every weight must be a finite number")
+        if not 0 <= self.seed <= MAX_SEED:
+            raise ConfigError(f"seed={self.seed!r}: must be an integer in [0, 2**31 - 1]")
         if not 0 < self.top_p <= 1:
             raise ConfigError(f"top_p={self.top_p!r}: must be in (0, 1]")
         if not 0 <= self.discount <= 1:

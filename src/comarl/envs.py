@@ -6,7 +6,7 @@ An environment plays one dataset item per episode::
     result = env.step(joint_action)         # one completion per agent
     result.rewards                          # one per agent (a shared reward is repeated)
     result.done, result.observations        # next prompts per agent when not done
-    result.info                             # anything; "success" (bool) is reported when present
+    result.info                             # anything; "success" (bool): the outcome, read when the episode ends
 
 The rollout takes many joint actions from the same state (the G samples of every agent, or
 their combinations). It asks for all of them at once through ``step_many`` so an environment
@@ -146,12 +146,13 @@ class RewardFunctionError(RuntimeError):
 
 def _where(items: Sequence[Item]) -> str:
     """Name the item(s) of a reward call for an error message."""
-    if len({_short(item) for item in items}) == 1:
-        return f"item {_short(items[0])}"
-    return f"a batch of {len(items)} items (first: {_short(items[0])})"
+    if len({short_repr(item) for item in items}) == 1:
+        return f"item {short_repr(items[0])}"
+    return f"a batch of {len(items)} items (first: {short_repr(items[0])})"
 
 
-def _short(item: Any, limit: int = 120) -> str:
+def short_repr(item: Any, limit: int = 120) -> str:
+    """``item``'s repr (a mapping's as a dict), cut to ``limit`` characters, for error messages."""
     text = repr(dict(item) if isinstance(item, Mapping) else item)
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
@@ -163,8 +164,9 @@ class RewardFunction:
     The function receives one list of completions per agent as its first ``num_agents``
     positional arguments, then, by keyword, those of these it declares (all of them if it takes
     ``**kwargs``): ``prompts`` (one list per agent), ``batch_items`` (the dataset items) and every
-    column of the dataset item (one value per joint action). All lists are aligned: element ``k``
-    belongs to joint action ``k``.
+    column of the dataset item (one value per joint action), except one named like a completion
+    parameter (that name holds the completions; the column stays in ``batch_items``). All lists
+    are aligned: element ``k`` belongs to joint action ``k``.
 
     It returns one reward per joint action (shared by the team) or, per joint action, a sequence
     of ``num_agents`` rewards (one per agent).
@@ -187,6 +189,8 @@ class RewardFunction:
                 f"def {self.name}({', '.join(f'completions_{i}' for i in range(self.num_agents))}, **kwargs)"
             )
         self._takes_all = any(p.kind == p.VAR_KEYWORD for p in params)
+        # A column named like a completion parameter (trl-lib/tldr's "completion") would be passed twice.
+        self._completion_names = {p.name for p in positional[: self.num_agents]}
         keyword_params = positional[self.num_agents :] + [p for p in params if p.kind == p.KEYWORD_ONLY]
         self._keywords = {p.name for p in keyword_params}
         self._required = [p.name for p in keyword_params if p.default is p.empty]
@@ -208,7 +212,11 @@ class RewardFunction:
                 f"reward function {self.name!r} requires argument {missing[0]!r}, which is neither a dataset column "
                 f"nor one of 'prompts', 'batch_items'; give it a default or rename it"
             )
-        kwargs = available if self._takes_all else {k: v for k, v in available.items() if k in self._keywords}
+        kwargs = {
+            k: v
+            for k, v in available.items()
+            if (self._takes_all or k in self._keywords) and k not in self._completion_names
+        }
         try:
             value = self.func(*[list(c) for c in completions], **kwargs)
         except Exception as exc:
@@ -225,7 +233,7 @@ class RewardFunction:
             value = [value]
         if not isinstance(value, Sequence) or isinstance(value, str):
             raise RewardFunctionError(
-                f"reward function {self.name!r} returned {_short(value)} on {_where(items)}: "
+                f"reward function {self.name!r} returned {short_repr(value)} on {_where(items)}: "
                 f"expected a list of {count} rewards"
             )
         if len(value) != count:
@@ -238,14 +246,19 @@ class RewardFunction:
             if isinstance(v, Sequence) and not isinstance(v, str):
                 if len(v) != self.num_agents:
                     raise RewardFunctionError(
-                        f"reward function {self.name!r} returned per-agent rewards {_short(v)} on {_where(items[k : k + 1])}: "
+                        f"reward function {self.name!r} returned per-agent rewards {short_repr(v)} on {_where(items[k : k + 1])}: "
                         f"expected {self.num_agents} values (one per agent)"
                     )
                 row = list(v)
             else:
                 row = [v] * self.num_agents
             for r in row:
-                if isinstance(r, bool) or not isinstance(r, (int, float)) or not math.isfinite(r):
+                if isinstance(r, bool):  # refused as everywhere in comarl: a flag is not silently a number
+                    raise RewardFunctionError(
+                        f"reward function {self.name!r} returned {r!r} on {_where(items[k : k + 1])}: rewards must "
+                        "be finite numbers, not bools; return float(...) of the condition"
+                    )
+                if not isinstance(r, (int, float)) or not math.isfinite(r):
                     raise RewardFunctionError(
                         f"reward function {self.name!r} returned {r!r} on {_where(items[k : k + 1])}: "
                         "rewards must be finite numbers"
@@ -323,7 +336,7 @@ class FunctionEnv(Env):
 
     def reset(self, item: Item) -> list[Any]:
         self.item = item
-        self.prompts = [f(item) for f in self.formatters]
+        self.prompts = [_format(f, i, item) for i, f in enumerate(self.formatters)]
         self.history = History.empty(self.num_agents)
         return list(self.prompts)
 
@@ -380,13 +393,13 @@ class FunctionEnv(Env):
             prompts = self.transition(episode.item, list(action), branch.history)
         except Exception as exc:
             raise RuntimeError(
-                f"transition {name!r} raised on item {_short(episode.item)}: {type(exc).__name__}: {exc}"
+                f"transition {name!r} raised on item {short_repr(episode.item)}: {type(exc).__name__}: {exc}"
             ) from exc
         if prompts is None:
             return
         if isinstance(prompts, str) or not isinstance(prompts, Sequence) or len(prompts) != self.num_agents:
             raise ValueError(
-                f"transition {name!r} returned {_short(prompts)} on item {_short(episode.item)}: expected a list of "
+                f"transition {name!r} returned {short_repr(prompts)} on item {short_repr(episode.item)}: expected a list of "
                 f"{self.num_agents} prompts (one per agent) or None when the episode is done"
             )
         branch.prompts = list(prompts)
@@ -471,6 +484,19 @@ def _formatters(formatters: Any, num_agents: int) -> list[Callable[[Item], Any]]
         if not callable(f):
             raise ValueError(f"formatters[{i}] is {f!r}, not a callable taking the dataset item")
     return formatters
+
+
+def _format(formatter: Callable[[Item], Any], agent: int, item: Item) -> Any:
+    """Agent ``agent``'s prompt for ``item``; a user formatter's exception is reported with its name and the item."""
+    if formatter is _default_formatter:  # its KeyError already says what is missing and what to pass
+        return formatter(item)
+    try:
+        return formatter(item)
+    except Exception as exc:
+        name = getattr(formatter, "__name__", "") or type(formatter).__name__
+        raise RuntimeError(
+            f"formatter {name!r} (agent {agent}) raised on item {short_repr(item)}: {type(exc).__name__}: {exc}"
+        ) from exc
 
 
 def _default_formatter(item: Item) -> str:

@@ -14,7 +14,7 @@ import torch
 from comarl.agents import Agent
 from comarl.algorithms import cross_returns
 from comarl.engines import Generation, HFEngine, SamplingParams, concat_generations
-from comarl.envs import Env, StepResult
+from comarl.envs import Env, StepResult, short_repr
 
 if TYPE_CHECKING:
     from comarl.distributed import AgentParallel, Processes
@@ -41,6 +41,7 @@ class Rollout:
     child: torch.Tensor  # [num_nodes, K]: the node the joint action leads to (-1: none)
     # [num_nodes, K]: the episode ended there (the environment said so, or early termination)
     done: torch.Tensor
+    # [num_nodes, K]: 1/0 where the episode ended, NaN where it goes on; None when the env reports no success
     success: torch.Tensor | None
     components: dict[str, torch.Tensor] = field(default_factory=dict)
     generate_seconds: float = 0.0  # time spent in generate, all turns
@@ -211,6 +212,7 @@ def collect(
             for j in range(len(level))
         ]
         level_results = env.step_many([n.episode for n in level], actions)
+        _check_reward_counts(env, level_results, [items[n.item] for n in level], depth, N)
         _check_same_outcomes(parallel, "rewards, done flags or next prompts", level_results)
         results.extend(level_results)
         next_level: list[_Node] = []
@@ -241,8 +243,6 @@ def collect(
     rewards = torch.tensor(
         [[r.rewards for r in row] for row in results], dtype=torch.float32
     )  # [num_nodes, K, N]
-    if rewards.shape[-1] != N:
-        raise ValueError(f"{type(env).__name__}.step returned {rewards.shape[-1]} rewards for {N} agents")
     joint_index = torch.stack(joint_rows)
     done = torch.tensor([[r.done for r in row] for row in results])
     done[terminated] = True
@@ -252,10 +252,8 @@ def collect(
         for k, c in kids.items():
             child[n, k] = c
     terminal = child < 0
-    flags = [[r.info.get("success") for r in row] for row in results]
-    success = (
-        torch.tensor(flags, dtype=torch.float32) if all(f is not None for row in flags for f in row) else None
-    )
+    depth = torch.tensor([n.depth for n in nodes])
+    success = episode_success(results, done | (depth == num_turns - 1).unsqueeze(1))
     names = sorted({name for row in results for r in row for name in r.components})
     components = {
         name: torch.tensor([[r.components.get(name, float("nan")) for r in row] for row in results])
@@ -271,7 +269,7 @@ def collect(
         rewards,
         returns,
         node_returns,
-        depth=torch.tensor([n.depth for n in nodes]),
+        depth=depth,
         terminal=terminal,
         child=child,
         done=done,
@@ -281,6 +279,36 @@ def collect(
         num_turns=num_turns,
         states=[(n.episode, n.observations) for n in nodes],
     )
+
+
+def _check_reward_counts(
+    env: Env, results: Sequence[Sequence[StepResult]], items: Sequence[Any], depth: int, num_agents: int
+) -> None:
+    """Every result of one turn (``results[e]`` for the episode on ``items[e]``) has one reward per agent."""
+    for item, row in zip(items, results):
+        for result in row:
+            _check_reward_count(env, result, num_agents, f"item {short_repr(item)}, turn {depth + 1}")
+
+
+def _check_reward_count(env: Env, result: StepResult, num_agents: int, where: str) -> None:
+    if len(result.rewards) != num_agents:
+        raise ValueError(
+            f"{type(env).__name__}.step returned {len(result.rewards)} rewards for {num_agents} agents ({where}): "
+            "return one reward per agent (repeat a shared reward)"
+        )
+
+
+def episode_success(results: Sequence[Sequence[StepResult]], ended: torch.Tensor) -> torch.Tensor | None:
+    """``[num_nodes, K]``: 1.0 / 0.0 for the joint actions whose episode ended there (``ended``) by their
+    ``info["success"]``, NaN for those whose episode goes on; None when no result reports success.
+
+    Success is an episode's outcome, so only the step that ends it counts: an environment may report the flag
+    on that step alone. An ended episode without the flag did not succeed."""
+    flags = [[r.info.get("success") for r in row] for row in results]
+    if all(f is None for row in flags for f in row):
+        return None
+    success = torch.tensor([[float(bool(f)) for f in row] for row in flags])
+    return torch.where(ended, success, torch.nan)
 
 
 def _check_same_outcomes(
@@ -346,6 +374,9 @@ def greedy_returns(
         next_active = []
         for j, (n, _, _, depth) in enumerate(active):
             result = results[j][0]
+            _check_reward_count(
+                env, result, N, f"turn {depth + 1} of the greedy baseline's path from node {n}"
+            )
             totals[n] += weight * torch.tensor(result.rewards, dtype=torch.float32)
             if (
                 not result.done

@@ -132,13 +132,23 @@ def run_demo(
 ) -> dict[str, Any]:
     """Build the tiny team, measure it, train it, measure again; write everything into a run folder."""
     import torch
+
+    # Models this small are faster on one thread: synchronising threads costs more than the work. The caller's
+    # thread count (a notebook's, a library user's) comes back when the demo returns or raises.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        return _run_demo(out, max_steps, seed, progress_bar)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _run_demo(out: str | Path | None, max_steps: int, seed: int, progress_bar: bool) -> dict[str, Any]:
     from transformers.utils import logging as hf_logging
 
     from comarl.engines import SamplingParams
     from comarl.trainers.magrpo import MAGRPOTrainer
 
-    # Models this small are faster on one thread: synchronising threads costs more than the work.
-    torch.set_num_threads(1)
     hf_logging.disable_progress_bar()
     run_dir = Path(out) if out is not None else Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)

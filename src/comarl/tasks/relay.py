@@ -10,10 +10,14 @@ If they named the same open place the episode ends. Otherwise each hears what th
     turn 2   alice: "bob said museum . the park and the cafe are open . where will you meet bob ?"
              bob:   "alice said park . where will you meet alice ?"
 
-Rewards as in the demo (1.0 for the same open place, 0.25 per agent naming an open place). In
-one turn bob can only guess (about half of the items at best); over two turns the team can
-always succeed, e.g. alice names an open place and bob repeats what alice said. A single-turn
-trainer never sees turn 2; the multi-turn trainer learns it.
+The joint answer is scored as in the demo (1.0 for the same open place, 0.25 per agent naming an
+open place), and the score is paid once, when the episode ends (``relay_reward``): a miss at turn 1
+pays nothing and turn 2 pays its score, so missing first never returns more than matching at once
+(1.0 for both with ``discount=1``, less for the miss with ``discount < 1``). In one turn bob can only
+guess (about half of the items at best); over two turns the team can always succeed, e.g. alice
+names an open place and bob repeats what alice said. A single-turn trainer never sees turn 2 (its
+one-turn episodes are paid ``meeting_reward``, the score at their end); the multi-turn trainer
+learns it.
 """
 
 from __future__ import annotations
@@ -26,7 +30,15 @@ from comarl.envs import History
 from comarl.tasks import demo
 from comarl.tasks.demo import CITIES, PLACES, dataset, first_word, meeting_reward
 
-__all__ = ["dataset", "formatter", "relay_transition", "meeting_reward", "corpus", "build_team"]
+__all__ = [
+    "dataset",
+    "formatter",
+    "relay_transition",
+    "relay_reward",
+    "meeting_reward",
+    "corpus",
+    "build_team",
+]
 
 
 def formatter(agent: int):  # noqa: ANN201
@@ -51,6 +63,20 @@ def relay_transition(item: dict[str, Any], completions: Sequence[str], history: 
         f"bob said {b or 'nothing'} . the {first} and the {second} are open . where will you meet bob ?",
         f"alice said {a or 'nothing'} . where will you meet alice ?",
     ]
+
+
+def relay_reward(
+    alice: Sequence[str],
+    bob: Sequence[str],
+    open_places: Sequence[Sequence[str]],
+    prompts: Sequence[Sequence[str]],
+    **_: Any,
+) -> list[float]:
+    """The game's score (``meeting_reward``), paid once, when the two-turn episode ends: a match ends it at either
+    turn (1.0); a miss at turn 1 pays nothing, and turn 2 (alice's prompt reports "bob said ...") pays its score.
+    Paying the score at every turn made missing first (0.5 + 1.0) worth more than matching at once (1.0)."""
+    scores = meeting_reward(alice, bob, open_places)
+    return [s if s == 1.0 or p.startswith("bob said ") else 0.0 for s, p in zip(scores, prompts[0])]
 
 
 def corpus() -> list[str]:

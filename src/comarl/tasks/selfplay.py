@@ -1,4 +1,4 @@
-"""Self-play: a hider and a seeker play best-of-three; the environment keeps the score.
+"""Self-play: a hider and a seeker play ``rounds`` rounds (3 by default); the environment keeps the score.
 
 A competitive Dec-POMDP with per-agent rewards, written as an ``Env`` subclass::
 
@@ -7,8 +7,9 @@ A competitive Dec-POMDP with per-agent rewards, written as an ``Env`` subclass::
 
 Each round the hider names a place (a word from ``PLACES``) and the seeker guesses one. The
 seeker scores when it names the hider's place; the hider scores when it hides in a real place and
-is not found. The score is the environment's state: it changes the next round's observations,
-and every branch of the rollout tree keeps its own copy.
+is not found. Every round is played and pays its own rewards; there is no match winner. The score
+is the environment's state: it changes the next round's observations, and every branch of the
+rollout tree keeps its own copy.
 """
 
 from __future__ import annotations
@@ -20,12 +21,23 @@ from typing import Any
 from comarl.envs import Env, StepResult
 from comarl.tasks.demo import PLACES, first_word
 
+MAX_ROUNDS = 9  # the numbers corpus() teaches the tiny team's word-level tokenizers
+
 
 class HideAndSeek(Env):
+    """``rounds`` rounds per episode: the environment's own turn limit (``num_turns``), which the trainer's
+    ``num_turns`` must equal."""
+
     num_agents = 2
 
     def __init__(self, rounds: int = 3) -> None:
+        if isinstance(rounds, bool) or not isinstance(rounds, int) or not 1 <= rounds <= MAX_ROUNDS:
+            raise ValueError(
+                f"HideAndSeek: rounds={rounds!r}: choose an integer from 1 to {MAX_ROUNDS} (the tiny team's "
+                "vocabulary, corpus(), has the round and score numbers up to that)"
+            )
         self.rounds = rounds
+        self.num_turns = rounds
         self.round = 1
         self.score = [0, 0]
 
@@ -59,10 +71,11 @@ def dataset(games: int = 4) -> list[dict[str, int]]:
 
 
 def corpus() -> list[str]:
+    """Every observation of games up to ``MAX_ROUNDS`` rounds (at round r the scores sum to at most r - 1)."""
     lines = []
-    for r in range(1, 4):
-        for h in range(4):
-            for s in range(4):
+    for r in range(1, MAX_ROUNDS + 1):
+        for h in range(r):
+            for s in range(r - h):
                 state = f"round {r} . score hider {h} seeker {s} ."
                 lines += [f"{state} hide in a place :", f"{state} where is the hider ?"]
     return lines + [f"the {place} ." for place in PLACES]
