@@ -84,10 +84,14 @@ def main() -> None:
         sample_completions(model, ids, mask, G, params, agent.eos_token_ids, pad)
 
     def multinomial_draw(
-        logits: torch.Tensor, params: SamplingParams, eos: torch.Tensor, suppress_eos: bool
+        logits: torch.Tensor,
+        params: SamplingParams,
+        eos: torch.Tensor,
+        suppress_eos: bool = False,
+        generator: torch.Generator | None = None,
     ) -> torch.Tensor:
         scores = comarl.engines.sampling_scores(logits, params, eos, suppress_eos)
-        return torch.multinomial(scores.softmax(dim=-1), num_samples=1).squeeze(1)
+        return torch.multinomial(scores.softmax(dim=-1), num_samples=1, generator=generator).squeeze(1)
 
     def own_loop_shared_multinomial(ids: torch.Tensor, mask: torch.Tensor) -> None:
         inverse_cdf = comarl.engines.next_tokens

@@ -102,8 +102,13 @@ class Clock:
         self.completions = 0
 
     def __enter__(self) -> Clock:
-        self.started, self.cpu_started = time.perf_counter(), time.process_time()
+        self.start()
         return self
+
+    def start(self) -> None:
+        """(Re)start the timed region here: a runner whose library sets itself up inside ``train()`` calls it
+        at its first step."""
+        self.started, self.cpu_started = time.perf_counter(), time.process_time()
 
     def __exit__(self, *exc: Any) -> None:
         torch = sys.modules.get("torch")

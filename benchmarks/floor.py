@@ -1,9 +1,16 @@
-"""The floor: a hand-written minimal torch loop doing the same generate + batched update as the trainers.
+"""The floor: a hand-written minimal torch loop doing the same generate + batched update as comarl.
 
-Per step and per agent: one batched ``model.generate`` over the step's prompts x G (left padding,
-KV cache), the shared reward, group-normalised advantages, one batched forward over
-prompt+completion, token log-probs, a token-mean policy-gradient loss, and one AdamW step.
-No logging, no checks, no environment protocol: what is left is the work itself.
+Per step and per agent, the same algorithm as comarl's trainer, written out with nothing around it:
+
+- generate: each of the step's prompts prefilled once (left padding), its KV cache repeated G times,
+  then one forward per new token over all rows, EOS masked (``min_new_tokens = max_new_tokens``), each
+  token drawn by inverse CDF (cheaper than ``torch.multinomial`` on a CPU);
+- the shared reward and group-normalised advantages;
+- update: the distinct prompts (all but their last token) run once with grad, their KV cache repeated to
+  the G rows, then last prompt token + completion per row; token log-probs, a token-mean
+  policy-gradient loss, gradient clipping at 1.0 and a fused AdamW step (weight decay 0).
+
+No logging, no checks, no environment protocol, no micro-batches: what is left is the work itself.
 """
 
 from __future__ import annotations
@@ -26,6 +33,81 @@ from common import (
 )
 
 
+def _cache_argument(model) -> str:  # noqa: ANN001
+    """transformers 5.x renamed ``past_key_values`` to ``cache`` (the old name warns until 5.40)."""
+    import inspect
+
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
+def generate(model, prompt_ids, prompt_mask, eos_token_id, G=NUM_GENERATIONS, T=NEW_TOKENS):  # noqa: ANN001, ANN201
+    """Completion ids [B * G, T], row b * G + j = sample j of prompt b."""
+    import torch
+    from transformers import DynamicCache
+
+    with torch.no_grad():  # sampling needs no graph
+        cache_argument = _cache_argument(model)
+        positions = (prompt_mask.cumsum(1) - 1).clamp(min=0)
+        cache = DynamicCache(config=model.config)
+        logits = model(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            position_ids=positions,
+            **{cache_argument: cache},
+            use_cache=True,
+            logits_to_keep=1,
+        ).logits[:, -1]
+        cache.batch_repeat_interleave(G)
+        logits = logits.repeat_interleave(G, dim=0)
+        rows, P = logits.shape[0], prompt_ids.shape[1]
+        attention = torch.cat([prompt_mask.repeat_interleave(G, dim=0), prompt_mask.new_ones(rows, T)], dim=1)
+        next_position = positions[:, -1:].repeat_interleave(G, dim=0) + 1
+        tokens = torch.empty(rows, T, dtype=torch.long, device=prompt_ids.device)
+        for t in range(T):
+            logits[:, eos_token_id] = float("-inf")  # min_new_tokens = max_new_tokens
+            cdf = torch.softmax(logits / TEMPERATURE, dim=-1).cumsum(dim=-1)
+            u = (1 - torch.rand(rows, 1, device=cdf.device)) * cdf[:, -1:]
+            tokens[:, t] = torch.searchsorted(cdf, u).squeeze(1)
+            if t + 1 < T:
+                logits = model(
+                    input_ids=tokens[:, t : t + 1],
+                    attention_mask=attention[:, : P + t + 1],
+                    position_ids=next_position + t,
+                    **{cache_argument: cache},
+                    use_cache=True,
+                ).logits[:, -1]
+        return tokens
+
+
+def completion_logprobs(model, prompt_ids, prompt_mask, ids, G=NUM_GENERATIONS):  # noqa: ANN001, ANN201
+    """Log-probs [B * G, T] of the completions; each distinct prompt runs once, its cache repeated G times."""
+    import torch
+    from transformers import DynamicCache
+
+    cache_argument = _cache_argument(model)
+    attention = torch.cat([prompt_mask.repeat_interleave(G, dim=0), torch.ones_like(ids)], dim=1)
+    positions = (attention.cumsum(1) - 1).clamp(min=0)
+    P = prompt_ids.shape[1]
+    cache = DynamicCache(config=model.config)
+    model(
+        input_ids=prompt_ids[:, : P - 1],
+        attention_mask=prompt_mask[:, : P - 1],
+        position_ids=positions[::G, : P - 1],
+        **{cache_argument: cache},
+        use_cache=True,
+        logits_to_keep=1,
+    )
+    cache.batch_repeat_interleave(G)
+    logits = model(
+        input_ids=torch.cat([prompt_ids[:, P - 1 :].repeat_interleave(G, dim=0), ids[:, :-1]], dim=1),
+        attention_mask=attention[:, :-1],
+        position_ids=positions[:, P - 1 : -1],
+        **{cache_argument: cache},
+        use_cache=True,
+    ).logits
+    return torch.log_softmax(logits / TEMPERATURE, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+
+
 def main() -> None:
     args = runner_args(__doc__)
     if args.bf16:
@@ -35,7 +117,7 @@ def main() -> None:
     set_threads(args.threads)
     started = time.perf_counter()
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     prompts = [item["prompt"] for item in load_prompts(args.workload, args.prompts)]
     per_step = min(PROMPTS_PER_STEP[args.mode], len(prompts))
@@ -46,17 +128,10 @@ def main() -> None:
         AutoModelForCausalLM.from_pretrained(model_path(args.workload)).to(args.device)
         for _ in range(args.agents)
     ]
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=LEARNING_RATE) for m in models]
-    generation_config = GenerationConfig(
-        max_new_tokens=NEW_TOKENS,
-        min_new_tokens=NEW_TOKENS,
-        do_sample=True,
-        temperature=TEMPERATURE,
-        top_p=1.0,
-        top_k=0,
-        eos_token_id=tokenizer.eos_token_id,
-        pad_token_id=tokenizer.pad_token_id,
-    )
+    optimizers = [
+        torch.optim.AdamW(m.parameters(), lr=LEARNING_RATE, weight_decay=0.0, fused=True) for m in models
+    ]
+
     clock = Clock()
     setup_seconds = time.perf_counter() - started
     with clock:
@@ -64,16 +139,10 @@ def main() -> None:
             enc = tokenizer(prompts[start : start + per_step], return_tensors="pt", padding=True).to(
                 args.device
             )
-            prompt_ids = enc["input_ids"].repeat_interleave(G, dim=0)
-            prompt_mask = enc["attention_mask"].repeat_interleave(G, dim=0)
             completions, texts = [], []
             for model in models:
                 model.eval()
-                with torch.no_grad():
-                    out = model.generate(
-                        input_ids=prompt_ids, attention_mask=prompt_mask, generation_config=generation_config
-                    )
-                ids = out[:, prompt_ids.shape[1] :]
+                ids = generate(model, enc["input_ids"], enc["attention_mask"], tokenizer.eos_token_id)
                 completions.append(ids)
                 texts.append(tokenizer.batch_decode(ids, skip_special_tokens=True))
                 clock.completions += ids.shape[0]
@@ -81,24 +150,13 @@ def main() -> None:
             rewards = torch.tensor(team_reward(*texts), device=args.device).view(-1, G)
             advantages = (
                 (rewards - rewards.mean(1, keepdim=True)) / (rewards.std(1, keepdim=True) + 1e-4)
-            ).view(-1)
+            ).view(-1, 1)
             for model, optimizer, ids in zip(models, optimizers, completions):
                 model.train()
-                input_ids = torch.cat([prompt_ids, ids], dim=1)
-                attention_mask = torch.cat([prompt_mask, torch.ones_like(ids)], dim=1)
-                position_ids = (attention_mask.cumsum(1) - 1).clamp(min=0)
-                T = ids.shape[1]
-                logits = model(
-                    input_ids=input_ids,
-                    attention_mask=attention_mask,
-                    position_ids=position_ids,
-                    logits_to_keep=T + 1,
-                ).logits[:, :-1]
-                logp = (
-                    torch.log_softmax(logits / TEMPERATURE, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
-                )
-                loss = -(logp * advantages.unsqueeze(1)).mean()
+                logp = completion_logprobs(model, enc["input_ids"], enc["attention_mask"], ids)
+                loss = -(logp * advantages).mean()  # every completion has T tokens: the token mean
                 loss.backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
                 optimizer.step()
                 optimizer.zero_grad(set_to_none=True)
     report(

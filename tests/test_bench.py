@@ -1,4 +1,4 @@
-"""The pure parts of the benchmark driver: medians, schedules, ratios, targets and the markdown tables."""
+"""The pure parts of the benchmark driver (medians, schedules, ratios, targets, the markdown tables) and the floor."""
 
 from __future__ import annotations
 
@@ -172,3 +172,29 @@ def test_agent_processes_split_the_threads_of_a_one_process_run():
         "one process per agent, one thread each; the rows above run in one process with 2 threads"
         in markdown(comparisons(summary), summary)
     )
+
+
+def test_the_floor_samples_what_it_scores_and_its_log_probs_equal_a_per_row_forward(qwen_bpe):
+    """floor.py shares each prompt's cache among its G rows, in sampling and in the update: its samples hold no
+    EOS (min_new_tokens = max_new_tokens) and its log-probs are a plain per-row forward's."""
+    import torch
+    from floor import completion_logprobs, generate
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(qwen_bpe, padding_side="left")
+    tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(qwen_bpe)
+    enc = tokenizer(["def add(a, b):", "alice and bob meet at the"], return_tensors="pt", padding=True)
+    torch.manual_seed(0)
+    ids = generate(model, enc["input_ids"], enc["attention_mask"], tokenizer.eos_token_id, G=3, T=5)
+    assert ids.shape == (6, 5) and not (ids == tokenizer.eos_token_id).any()
+    logp = completion_logprobs(model, enc["input_ids"], enc["attention_mask"], ids, G=3)
+    prompt_ids = enc["input_ids"].repeat_interleave(3, dim=0)
+    mask = torch.cat([enc["attention_mask"].repeat_interleave(3, dim=0), torch.ones_like(ids)], dim=1)
+    logits = model(
+        input_ids=torch.cat([prompt_ids, ids], dim=1),
+        attention_mask=mask,
+        position_ids=(mask.cumsum(1) - 1).clamp(min=0),
+    ).logits[:, prompt_ids.shape[1] - 1 : -1]
+    expected = torch.log_softmax(logits, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
+    torch.testing.assert_close(logp, expected, atol=1e-5, rtol=0)
