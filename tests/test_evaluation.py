@@ -445,6 +445,11 @@ def test_cli_eval_checks_decoding_and_items_before_a_model_loads(
     assert _one_line_error(capsys, ["eval", "--task", "writing", *models, *argv]) == message
 
 
+def _writing_eval(tmp_path, *flags: str) -> list[str]:
+    """`comarl eval` of the writing task on two model paths that do not exist, with ``flags``."""
+    return ["eval", "--task", "writing", "--models", str(tmp_path / "a"), str(tmp_path / "b"), *flags]
+
+
 @pytest.mark.parametrize(
     ("device", "available", "count", "message"),
     [
@@ -466,34 +471,14 @@ def test_cli_eval_checks_the_cuda_device_before_a_model_loads(
 
     monkeypatch.setattr(torch.cuda, "is_available", lambda: available)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: count)
-    argv = [
-        "eval",
-        "--task",
-        "writing",
-        "--models",
-        str(tmp_path / "a"),
-        str(tmp_path / "b"),
-        "--device",
-        device,
-    ]
-    assert _one_line_error(capsys, argv) == message
+    assert _one_line_error(capsys, _writing_eval(tmp_path, "--device", device)) == message
 
 
 def test_cli_eval_checks_the_json_path_before_a_model_loads(tmp_path, capsys):
     """An unwritable --json path was found only after the whole evaluation had run (a traceback, samples lost)."""
     (tmp_path / "a_file").touch()
     out = tmp_path / "a_file" / "eval.json"
-    argv = [
-        "eval",
-        "--task",
-        "writing",
-        "--models",
-        str(tmp_path / "a"),
-        str(tmp_path / "b"),
-        "--json",
-        str(out),
-    ]
-    message = _one_line_error(capsys, argv)
+    message = _one_line_error(capsys, _writing_eval(tmp_path, "--json", str(out)))
     assert message.startswith(f"--json {out}: cannot write there: ") and message.endswith(
         "; choose another path"
     )
