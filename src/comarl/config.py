@@ -163,7 +163,11 @@ class MAGRPOConfig:
     # --- generation
     num_generations: int = _help("Completions each agent samples per prompt (the group size G).", default=4)
     max_new_tokens: int = _help("Maximum tokens per completion.", default=128)
-    min_new_tokens: int = _help("Minimum tokens per completion (EOS is suppressed before it).", default=0)
+    min_new_tokens: int = _help(
+        "Minimum tokens per completion (EOS is suppressed before it). The loss scores the whole tempered "
+        "distribution, EOS included, as for top_k / top_p.",
+        default=0,
+    )
     temperature: float = _help(
         "Sampling temperature; log-probs in the loss use the same temperature.", default=1.0
     )
