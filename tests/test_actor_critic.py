@@ -206,6 +206,24 @@ def test_comlrl_critic_arguments_of_the_trainer(team):
     ):
         build(critics=team)
     with pytest.raises(
+        ConfigError, match=r"^IACTrainer\(critic_model=.*, critics=\[.*\]\): they name different"
+    ):
+        build(critic_model=team[0], critics=[team[1], team[1]])
+    # the config given by position, as MAGRPOTrainer's 8th parameter
+    positional = IACTrainer(
+        None,
+        None,
+        None,
+        demo.dataset(),
+        None,
+        demo.meeting_reward,
+        [demo.formatter(0), demo.formatter(1)],
+        IACConfig(max_steps=1, num_generations=2, max_new_tokens=2, progress_bar=False),
+        agents=team,
+        critic_model=team[1],
+    )
+    assert positional.args.critic_model == team[1] and positional.args.max_new_tokens == 2
+    with pytest.raises(
         ConfigError, match=r"^IACTrainer\(metrics_callback=\): comarl has no per-rollout callback"
     ):
         build(metrics_callback=lambda rollouts: {})

@@ -247,8 +247,8 @@ def _train(spec: RunSpec, resume: bool = False) -> int:
 
 def _final_evaluation(trainer: Any, metrics: dict[str, float]) -> dict[str, float]:
     """The trained team's ``eval/`` metrics for the summary: train()'s own when it evaluated at its last step;
-    otherwise evaluated now and logged at the last step like the in-training evaluations (unless this call
-    trained no step: a resumed, finished run logged its evaluation when it finished)."""
+    otherwise evaluated now and added to metrics.jsonl at the last step (the sinks of train() are closed by now),
+    unless this call trained no step: a resumed, finished run logged its evaluation when it finished."""
     if any(key.startswith("eval/") for key in metrics):
         return {}
     evaluation = trainer.evaluate()  # collective under torchrun: every process evaluates, process 0 logs

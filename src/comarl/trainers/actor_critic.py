@@ -63,6 +63,8 @@ from comarl.trainers.magrpo import (
     rollout_metrics,
 )
 
+ARGS_POSITION = 7  # MAGRPOTrainer(model, num_agents, tokenizer, train_dataset, eval_dataset, reward_func, formatters, args)
+
 
 class ActorCriticTrainer(MAGRPOTrainer):
     """Actor-critic over the MAGRPO rollout pipeline; the config chooses independent or centralized critics."""
@@ -91,19 +93,31 @@ class ActorCriticTrainer(MAGRPOTrainer):
                     f"{type(self).__name__}(critics=): comarl gives every agent a copy of one critic model; pass "
                     "critic_model='<hub id or path>' instead"
                 )
-            critic_model = names.pop() if critic_model is None else critic_model
+            named = names.pop()
+            if critic_model is not None and str(critic_model) != named:
+                raise ConfigError(
+                    f"{type(self).__name__}(critic_model={str(critic_model)!r}, critics=[{named!r}, ...]): they name "
+                    "different models; give one of them"
+                )
+            critic_model = named
         if critic_model is not None:
             if not isinstance(critic_model, (str, Path)):
                 raise ConfigError(
                     f"{type(self).__name__}(critic_model=): give a hub id or path, not a {type(critic_model).__name__}"
                 )
-            config = kwargs.get("args") or self.config_class()
+            # args is MAGRPOTrainer's 8th parameter: given by keyword or by position
+            positional = len(args) > ARGS_POSITION
+            config = (args[ARGS_POSITION] if positional else kwargs.get("args")) or self.config_class()
             if config.critic_model not in (None, str(critic_model)):
                 raise ConfigError(
                     f"{type(self).__name__}(critic_model={str(critic_model)!r}) but args.critic_model="
                     f"{config.critic_model!r}; give it once"
                 )
-            kwargs["args"] = replace(config, critic_model=str(critic_model))
+            config = replace(config, critic_model=str(critic_model))
+            if positional:
+                args = (*args[:ARGS_POSITION], config, *args[ARGS_POSITION + 1 :])
+            else:
+                kwargs["args"] = config
         super().__init__(*args, **kwargs)
         a, N = self.args, self.num_agents
         # Under agent parallelism a process holds the critics of its own agent; the centralized critic
