@@ -420,12 +420,7 @@ class MAGRPOConfig:
     def take_comlrl_spellings(self, given: dict[str, Any]) -> None:
         """Map the CoMLRL spellings given (``None``: not given) onto the fields; refuse the ones comarl lacks."""
         for name, value in given.items():
-            annotation = next(
-                vars(klass)["__annotations__"][name]
-                for klass in type(self).__mro__
-                if name in vars(klass).get("__annotations__", {})
-            )
-            annotation = annotation.removeprefix("InitVar[").removesuffix("]")
+            annotation = str(self.__dataclass_fields__[name].type).removeprefix("InitVar[").removesuffix("]")
             if not _matches(value, annotation):
                 raise ConfigError(f"{name}={value!r}: must be {_type_words(annotation)}")
             if value is not None and name in COMLRL_REFUSED:

@@ -32,7 +32,7 @@ from comarl.config import ConfigError
 from comarl.engines import HFEngine, SamplingParams
 from comarl.envs import Env
 from comarl.rollout import Rollout, collect
-from comarl.tracking import _finite  # the one rule for NaN in JSON output, shared with metrics.jsonl
+from comarl.tracking import json_ready  # the one rule for NaN in JSON output, shared with metrics.jsonl
 
 TASKS = ("code", "writing")
 MODES = ("team", "single", "pipeline")
@@ -518,7 +518,7 @@ def check_output(path: str | Path) -> Path:
         raise ConfigError(f"--json {path} is a folder; give a file path, e.g. {path}/result.json")
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        probe = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+        probe = _temporary(path)
         probe.touch()
         probe.unlink()
     except OSError as exc:
@@ -529,6 +529,11 @@ def check_output(path: str | Path) -> Path:
     return path
 
 
+def _temporary(path: Path) -> Path:
+    """Where ``path`` is written before it is renamed into place (and where check_output probes)."""
+    return path.with_name(f".{path.name}.{os.getpid()}.tmp")
+
+
 def write_json(result: Mapping[str, Any], path: str | Path) -> Path:
     """Write an :func:`evaluate_task` result as indented JSON, creating parent folders.
 
@@ -537,8 +542,8 @@ def write_json(result: Mapping[str, Any], path: str | Path) -> Path:
     """
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    text = json.dumps(_finite(result), indent=2, allow_nan=False)
-    temporary = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    text = json.dumps(json_ready(result), indent=2, allow_nan=False)
+    temporary = _temporary(path)
     try:
         temporary.write_text(text)
         os.replace(temporary, path)

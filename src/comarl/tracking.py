@@ -34,15 +34,15 @@ def _to_plain(value: Any) -> Any:
     return value
 
 
-def _finite(value: Any) -> Any:
+def json_ready(value: Any) -> Any:
     """``value`` with every non-finite float (NaN, inf) inside it, at any depth, replaced by None."""
     value = _to_plain(value)
     if isinstance(value, float):
         return value if math.isfinite(value) else None
     if isinstance(value, dict):
-        return {k: _finite(v) for k, v in value.items()}
+        return {k: json_ready(v) for k, v in value.items()}
     if isinstance(value, (list, tuple)):
-        return [_finite(v) for v in value]
+        return [json_ready(v) for v in value]
     return value
 
 
@@ -165,7 +165,7 @@ class RunLogger:
         if self.run_dir is None:
             return
         # NaN and inf as null: json.dumps would write NaN / Infinity, which is not JSON (JSON.parse, jq reject it)
-        text = json.dumps(_finite(row), default=_json_default, allow_nan=False)
+        text = json.dumps(json_ready(row), default=_json_default, allow_nan=False)
         with open(self.run_dir / name, "a", encoding="utf-8") as handle:
             handle.write(text + "\n")
 

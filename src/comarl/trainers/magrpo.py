@@ -1260,7 +1260,8 @@ def _team_sources(model: Any, agent_model: Any, agents: Any, team: Any, num_agen
     return [base] * n
 
 
-MODEL_CONFIG_KEYS = ("model_kwargs", "attn_implementation", "torch_dtype", "dtype")
+LOADING_KEYS = ("attn_implementation", "torch_dtype", "dtype")  # model_config keys passed to from_pretrained
+MODEL_CONFIG_KEYS = ("model_kwargs", *LOADING_KEYS)
 
 
 def _check_model_config(model_config: dict[str, Any] | None) -> None:
@@ -1289,7 +1290,7 @@ def _load_agent(
     ):
         tok = copy.deepcopy(tok)  # agents set padding on their tokenizer; keep them independent
     kwargs = dict((model_config or {}).get("model_kwargs", {}))
-    for key in ("attn_implementation", "torch_dtype", "dtype"):
+    for key in LOADING_KEYS:
         if model_config and key in model_config:
             kwargs[key] = model_config[key]
     return Agent.from_pretrained(source, tok, device=device, model_kwargs=kwargs)
