@@ -579,15 +579,64 @@ def test_cli_train_evaluates_the_trained_team_once_and_logs_it(tmp_path, capsys,
     assert calls == [2] and [row["step"] for row in evaluated] == [2]
     assert printed["eval/success"] == pytest.approx(evaluated[0]["eval/success"], rel=1e-3)
     assert printed["eval/reward"] == pytest.approx(evaluated[0]["eval/reward"], rel=1e-3)
+    assert "eval_at_end: true" in (out / "config.yaml").read_text()
 
 
-def test_cli_train_resuming_a_finished_run_logs_no_second_evaluation(tmp_path, capsys):
+def test_cli_train_evaluates_at_the_end_only_when_the_config_does_not_say_otherwise(
+    tmp_path, capsys, monkeypatch
+):
+    calls = _count_evaluations(monkeypatch)
+    out = tmp_path / "out"
+    assert main(["train", str(_demo_spec(tmp_path, eval_at_end="false")), "--set", f"output_dir={out}"]) == 0
+    assert calls == [] and "eval/success" not in json.loads(capsys.readouterr().out)
+
+
+def test_the_final_evaluation_reaches_every_sink(qwen_bpe, tmp_path):
+    """The final evaluation of `comarl train` went to metrics.jsonl only, after train() had closed TensorBoard,
+    W&B and trackio. With eval_at_end it is part of the last step: every sink and train()'s return get it."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from comarl import MAGRPOConfig, MAGRPOTrainer
+
+    data = [{"prompt": p} for p in ("def add(a, b):", "the agents meet at", "alice and bob")]
+    trainer = MAGRPOTrainer(
+        model=qwen_bpe,
+        num_agents=2,
+        train_dataset=data,
+        eval_dataset=data[:2],
+        reward_func=lambda a, b: [len(x) - len(y) / 2 for x, y in zip(a, b)],
+        args=MAGRPOConfig(
+            prompts_per_step=1,
+            num_generations=2,
+            max_new_tokens=4,
+            max_steps=3,
+            eval_interval=2,  # step 2, then step 3 for eval_at_end
+            eval_at_end=True,
+            progress_bar=False,
+            output_dir=str(tmp_path),
+            report_to=["tensorboard"],
+        ),
+    )
+    returned = trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    evaluated = [row for row in rows if "eval/reward" in row]
+    assert [row["step"] for row in evaluated] == [2, 3]
+    assert returned["eval/reward"] == pytest.approx(evaluated[-1]["eval/reward"])
+    events = EventAccumulator(str(tmp_path / "tensorboard"))
+    events.Reload()
+    points = events.Scalars("eval/reward")
+    assert [p.step for p in points] == [2, 3]
+    assert [p.value for p in points] == pytest.approx([row["eval/reward"] for row in evaluated])
+
+
+def test_cli_train_resuming_a_finished_run_trains_and_evaluates_nothing(tmp_path, capsys, monkeypatch):
     spec = _demo_spec(tmp_path, save_steps=2)
     out = tmp_path / "out"
     assert main(["train", str(spec), "--set", f"output_dir={out}"]) == 0
-    first = json.loads(capsys.readouterr().out)
+    capsys.readouterr()
+    calls = _count_evaluations(monkeypatch)
+    before = (out / "metrics.jsonl").read_text()
     assert main(["train", str(spec), "--set", f"output_dir={out}", "--resume"]) == 0
-    again = json.loads(capsys.readouterr().out)
-    rows = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
-    assert [row["step"] for row in rows if "eval/success" in row] == [2]
-    assert again["eval/success"] == first["eval/success"]  # the same trained team, evaluated greedily
+    assert capsys.readouterr().out == "comarl: the run had finished (step 2 of 2); nothing to train\n"
+    # The checkpoint of step 2 was written after step 2's evaluation: its row stays, and none is added.
+    assert calls == [] and (out / "metrics.jsonl").read_text() == before

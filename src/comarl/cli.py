@@ -232,33 +232,19 @@ def _train(spec: RunSpec, resume: bool = False) -> int:
             args=args,
         )
     metrics = trainer.train(resume_from_checkpoint=True if resume else None)
-    if trainer.eval_dataset is not None:
-        metrics.update(_final_evaluation(trainer, metrics))
     if trainer.processes is None or trainer.processes.rank == 0:  # one summary per run, not per process
-        # 4 significant digits, not 4 decimals: a learning rate of 1e-5 must not print as 0.0
-        summary = {k: float(f"{v:.4g}") for k, v in metrics.items() if not k.startswith("time/")}
-        print(json.dumps(summary, indent=1))
+        if not metrics:  # resumed at its last step: nothing to train; the run's rows are in its log
+            done = f"step {trainer.step} of {trainer.total_steps}"
+            print(f"comarl: the run had finished ({done}); nothing to train")
+        else:
+            # 4 significant digits, not 4 decimals: a learning rate of 1e-5 must not print as 0.0
+            summary = {k: float(f"{v:.4g}") for k, v in metrics.items() if not k.startswith("time/")}
+            print(json.dumps(summary, indent=1))
     if trainer.processes is not None:
         from comarl.distributed import finish
 
         finish(0)  # under torchrun: leave without the interpreter teardown that can abort a finished run
     return 0
-
-
-def _final_evaluation(trainer: Any, metrics: dict[str, float]) -> dict[str, float]:
-    """The trained team's ``eval/`` metrics for the summary: train()'s own when it evaluated at its last step;
-    otherwise evaluated now and added to metrics.jsonl at the last step (the sinks of train() are closed by now),
-    unless this call trained no step: a resumed, finished run logged its evaluation when it finished."""
-    if any(key.startswith("eval/") for key in metrics):
-        return {}
-    evaluation = trainer.evaluate()  # collective under torchrun: every process evaluates, process 0 logs
-    args = trainer.args
-    if metrics and args.output_dir and (trainer.processes is None or trainer.processes.rank == 0):
-        from comarl.tracking import RunLogger
-
-        with RunLogger(Path(args.output_dir), total_steps=trainer.total_steps, console=False) as logger:
-            logger.log(trainer.step, evaluation)
-    return evaluation
 
 
 def _eval(args: argparse.Namespace) -> int:

@@ -297,6 +297,12 @@ class MAGRPOConfig:
     eval_interval: int = _help(
         "Evaluate every this many steps (0 = only when evaluate() is called).", default=0
     )
+    eval_at_end: bool = _help(
+        "Also evaluate at the last training step when eval_interval does not (needs eval_dataset): the trained "
+        "team's eval/ metrics reach every sink and train()'s return. `comarl train` turns it on unless the "
+        "config sets it.",
+        default=False,
+    )
     eval_num_samples: int | None = _help("Items of the eval dataset to evaluate (None = all).", default=None)
     num_generations_eval: int = _help("Completions per agent per item at evaluation.", default=1)
     eval_do_sample: bool = _help("Sample at evaluation instead of greedy decoding.", default=False)
@@ -1162,7 +1168,8 @@ class RunSpec:
         config_class(self.trainer)(**self.args)  # validates args now, with the field names in the errors
 
     def trainer_args(self) -> MAGRPOConfig:
-        return config_class(self.trainer)(**self.args)
+        """The trainer's config; a run from the CLI evaluates its trained team at the end unless told not to."""
+        return config_class(self.trainer)(**{"eval_at_end": True, **self.args})
 
 
 def config_class(trainer: str) -> type[MAGRPOConfig]:

@@ -461,11 +461,10 @@ class MAGRPOTrainer:
                 if self.step % args.logging_steps == 0 or self.step == self.total_steps:
                     logger.log(self.step, metrics)
                     logger.log_samples(self.step, samples)
-                if (
-                    args.eval_interval
-                    and self.step % args.eval_interval == 0
-                    and self.eval_dataset is not None
-                ):
+                evaluates = (args.eval_interval and self.step % args.eval_interval == 0) or (
+                    args.eval_at_end and self.step == self.total_steps
+                )
+                if evaluates and self.eval_dataset is not None:
                     evaluation = self.evaluate()
                     logger.log(self.step, evaluation)
                     last = {**metrics, **evaluation}
