@@ -105,3 +105,35 @@ def test_right_padding_set_after_the_agent_still_pads_on_the_left(qwen_bpe):
     batched = HFEngine().generate(agent, prompts, 1, GREEDY).completion_ids
     for row, expected in zip(batched, alone):
         assert torch.equal(row[: len(expected)], expected)
+
+
+def test_the_models_own_tokenizer_comes_from_where_the_model_came_from(qwen_bpe, llama_word, monkeypatch):
+    """model_kwargs' revision/token/trust_remote_code reached the model only: a gated model's tokenizer failed without
+    the token, and a pinned revision's model got the newest tokenizer. A tokenizer named apart keeps its own."""
+    import transformers
+
+    calls = []
+    load = transformers.AutoTokenizer.from_pretrained
+
+    def recording(name, *args, **kwargs):
+        calls.append((name, kwargs))
+        return load(name, *args, **kwargs)
+
+    monkeypatch.setattr(transformers.AutoTokenizer, "from_pretrained", recording)
+    hub = {"revision": "main", "local_files_only": True, "trust_remote_code": False}
+    Agent.from_pretrained(qwen_bpe, model_kwargs={**hub, "attn_implementation": "eager"})
+    Agent.from_pretrained(qwen_bpe, llama_word, model_kwargs=hub)
+    assert calls == [(qwen_bpe, hub), (llama_word, {})]
+
+
+def test_agents_sharing_one_model_must_agree_on_the_learning_rate(qwen_bpe):
+    """One model, one optimizer: Team(share_weights=True) took agents with different learning rates and the trainer
+    then used agent 0's for every role, silently."""
+    first = Agent.from_pretrained(qwen_bpe, learning_rate=1e-3)
+    second = Agent(first.model, AutoTokenizer.from_pretrained(qwen_bpe), learning_rate=1e-4)
+    with pytest.raises(
+        ValueError, match=r"learning_rate values \[0.001, 0.0001\] differ, but they share one model"
+    ):
+        Team([first, second], share_weights=True)
+    second.learning_rate = 1e-3
+    assert Team([first, second], share_weights=True).share_weights

@@ -7,7 +7,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from comarl import ConfigError, IPPOConfig, IPPOTrainer, MAGRPOConfig, MAGRPOTrainer
-from comarl.agents import WithoutAdapters
+from comarl.agents import Agent, WithoutAdapters, has_adapters
 
 DATA = [{"prompt": p} for p in ("def add(a, b):", "the agents meet at", "alice and bob", "return a + b")]
 
@@ -71,9 +71,46 @@ def test_saved_adapters_load_back_as_the_trained_agent(qwen_bpe, tmp_path):
     loaded = AutoModelForCausalLM.from_pretrained(tmp_path / "agent_0")  # base by path + adapter
     ids = torch.tensor([[5, 17, 42, 7]])
     with torch.no_grad():
-        assert torch.allclose(
-            loaded(input_ids=ids).logits, trainer.team[0].model(input_ids=ids).logits, atol=1e-5
+        trained = trainer.team[0].model(input_ids=ids).logits
+        assert torch.allclose(loaded(input_ids=ids).logits, trained, atol=1e-5)
+
+
+def test_a_saved_lora_agent_trains_on_from_its_adapter(qwen_bpe, tmp_path):
+    """An agent folder that save_model wrote loaded frozen (transformers' adapter loading): without lora_r the
+    optimizer got no parameters; with lora_r a fresh adapter named like the saved one replaced it (training restarted
+    from the base). It now loads as a trainable peft model: training continues the saved adapter."""
+    first = MAGRPOTrainer(
+        model=qwen_bpe,
+        num_agents=1,
+        train_dataset=DATA,
+        reward_func=lambda a: [len(x) for x in a],
+        args=MAGRPOConfig(**lora_args()),
+    )
+    first.train()
+    first.save_model(tmp_path)
+    ids = torch.tensor([[5, 17, 42, 7]])
+    with torch.no_grad():
+        trained = first.team[0].model(input_ids=ids).logits
+    agent = Agent.from_pretrained(tmp_path / "agent_0")
+    assert has_adapters(agent.model)
+    trainable = {n: p.detach().clone() for n, p in agent.model.named_parameters() if p.requires_grad}
+    assert trainable and all("lora_" in n for n in trainable)
+    for lora_r in (None, 4):  # the folder's adapter is the one that trains, with or without lora_r
+        again = MAGRPOTrainer(
+            model=str(tmp_path / "agent_0"),
+            num_agents=1,
+            train_dataset=DATA,
+            reward_func=lambda a: [len(x) for x in a],
+            args=MAGRPOConfig(**lora_args(lora_r=lora_r, beta=0.1, max_steps=1)),
         )
+        model = again.team[0].model
+        with torch.no_grad():
+            assert torch.allclose(model(input_ids=ids).logits, trained, atol=1e-5)
+        again.train()
+        moved = {
+            n for n, p in model.named_parameters() if n in trainable and not torch.equal(p, trainable[n])
+        }
+        assert moved == set(trainable)
 
 
 def test_value_heads_train_on_lora_agents(qwen_bpe):

@@ -83,6 +83,19 @@ def test_model_size_counts_without_loading_as_the_loaded_model_has(qwen_bpe):
     )
 
 
+def test_a_saved_lora_agent_counts_its_base_and_its_adapter(qwen_bpe, tmp_path):
+    """A saved LoRA agent folder (adapter_config.json, no config.json) was not counted at all; it loads as its base
+    with the saved adapter trainable, and is counted so, whatever lora_r says."""
+    from comarl.agents import add_lora
+
+    add_lora(AutoModelForCausalLM.from_pretrained(qwen_bpe), 4, 8.0, ["q_proj", "v_proj"]).save_pretrained(
+        tmp_path
+    )
+    expected = model_size(qwen_bpe, (4, 8.0, ["q_proj", "v_proj"]))
+    assert model_size(tmp_path) == model_size(tmp_path, (16, 32.0, "all-linear")) == expected
+    assert expected.trainable < expected.parameters
+
+
 def test_a_team_that_fits_is_told_its_numbers_when_training_starts(qwen_bpe, capsys):
     trainer = MAGRPOTrainer(
         model=qwen_bpe,

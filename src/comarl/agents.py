@@ -51,6 +51,39 @@ def set_activation_checkpointing(model: Any, on: bool, transformers_version: str
     getattr(model, f"{prefix}_checkpointing_{'enable' if on else 'disable'}")()
 
 
+# model_kwargs that say where a model is and how to fetch it: the tokenizer loaded from the same name gets them too.
+HUB_KEYS = (
+    "revision",
+    "token",
+    "cache_dir",
+    "local_files_only",
+    "force_download",
+    "proxies",
+    "trust_remote_code",
+)
+
+
+def is_adapter_folder(source: str, model_kwargs: dict[str, Any]) -> bool:
+    """Whether ``source`` (a hub id or local path) holds a peft adapter (``adapter_config.json``) over a base model."""
+    from transformers.utils import find_adapter_config_file
+
+    hub = {k: v for k, v in model_kwargs.items() if k in HUB_KEYS and k != "trust_remote_code"}
+    return find_adapter_config_file(source, **hub) is not None
+
+
+def _load_adapter(source: str, model_kwargs: dict[str, Any]) -> Any:
+    """The base model that the adapter at ``source`` names, in fp32, with the adapter on it, trainable."""
+    try:
+        from peft import AutoPeftModelForCausalLM
+    except ImportError as error:
+        raise ImportError(
+            f"{source} is a LoRA adapter folder; loading it needs peft: pip install 'comarl[peft]'"
+        ) from error
+    return AutoPeftModelForCausalLM.from_pretrained(
+        source, is_trainable=True, dtype=torch.float32, **model_kwargs
+    )
+
+
 class Agent:
     """One policy of the team.
 
@@ -115,16 +148,24 @@ class Agent:
                         "set bf16=True in the config for bf16 compute instead"
                     )
                 kwargs.pop(key, None)
-            model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32, **kwargs)
+            if is_adapter_folder(str(source), kwargs):
+                # A saved LoRA agent (save_model's agent_i/): its base with the adapter as a trainable peft model, so
+                # training continues the adapter (transformers alone would load it frozen, with nothing to train).
+                model = _load_adapter(str(source), kwargs)
+            else:
+                model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32, **kwargs)
             name = str(source)
         else:
             model, name = source, getattr(getattr(source, "config", None), "_name_or_path", None)
+        hub: dict[str, Any] = {}
         if tokenizer is None:
             if name is None or not isinstance(source, (str, Path)):
                 raise ValueError("Agent.from_pretrained: pass tokenizer= when the model is an object")
             tokenizer = name
+            # The model's own tokenizer comes from where the model came from (revision, token, cache, remote code).
+            hub = {k: v for k, v in (model_kwargs or {}).items() if k in HUB_KEYS}
         if isinstance(tokenizer, (str, Path)):
-            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
+            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer), **hub)
         return cls(
             model,
             tokenizer,
@@ -375,6 +416,13 @@ class Team:
         if share_weights:
             if len(set(models)) != 1:
                 raise ValueError("Team(share_weights=True): every agent must hold the same model object")
+            # One model trains with one optimizer: one learning rate for every role.
+            rates = [getattr(a, "learning_rate", None) for a in agents]
+            if len(set(rates)) > 1:
+                raise ValueError(
+                    f"Team(share_weights=True): the agents' learning_rate values {rates} differ, but they share one "
+                    "model and one optimizer; give every agent the same learning_rate (or none: the trainer's)"
+                )
         else:
             for i, m in enumerate(models):
                 if m in models[:i]:
@@ -384,6 +432,7 @@ class Team:
                         "(copy.deepcopy(model)), or train one model in every role with share_weights=True"
                     )
         self.agents = list(agents)
+        self.share_weights = share_weights
         for i, agent in enumerate(self.agents):
             if isinstance(agent, Agent):
                 agent.index = i

@@ -41,10 +41,10 @@ class ModelMemory:
     ``gradients = 4 T`` and ``optimizer = 8 T`` (T trainable parameters; AdamW's two moments),
     ``reference = 4 P`` (the KL reference copy, kept only for full fine-tuning), ``autocast = 2 W`` under bf16
     autocast, which caches a bf16 copy of every weight that requires gradients while a forward runs (W: all P
-    weights of a fully fine-tuned or frozen model, only the adapters of a LoRA one, whose frozen base is cast a
-    layer at a time). A model split among D processes (``shard_weights``) holds each of these / D, except the
-    autocast copies of its gathered whole weights, and ``gathered = 4 P``: its whole weights, assembled for every
-    generate call.
+    weights of a fully fine-tuned or frozen model, only the adapters of a LoRA one, whose frozen base is not
+    cached: a training forward keeps its casts for the backward, like activations, which are not counted). A model
+    split among D processes (``shard_weights``) holds each of these / D, except the autocast copies of its gathered
+    whole weights, and ``gathered = 4 P``: its whole weights, assembled for every generate call.
     """
 
     name: str
@@ -68,7 +68,8 @@ def model_size(
 
     The model (a causal LM, or with ``lm_head=False`` the bare backbone a critic loads) is built
     from its config on the meta device; ``lora = (r, alpha, target_modules)`` wraps it with peft as
-    training would, so ``trainable`` counts the adapters only. None for a model object (it is already in
+    training would, so ``trainable`` counts the adapters only; a saved LoRA agent (an adapter folder) counts its base
+    with the saved adapter, which is what then trains, whatever ``lora`` says. None for a model object (it is already in
     memory) and when the config cannot be read or built here (a model with custom code, a hub id without
     network): the model is then not counted, and loading it reports the real error.
     """
@@ -77,21 +78,33 @@ def model_size(
     if not isinstance(source, (str, Path)):
         return None
     try:
+        from comarl.agents import add_lora, is_adapter_folder
+
+        adapter = None
+        if is_adapter_folder(str(source), {}):
+            # A saved LoRA agent: its base with the saved adapter, which is what trains (Agent.from_pretrained).
+            from peft import PeftConfig, get_peft_model
+
+            adapter = PeftConfig.from_pretrained(str(source))
+            adapter.inference_mode = False  # saved for inference; training makes it trainable
+            source = adapter.base_model_name_or_path
         config = AutoConfig.from_pretrained(str(source))
         with torch.device("meta"):
             model = (AutoModelForCausalLM if lm_head else AutoModel).from_config(config)
         # Tied embeddings are one parameter, as in the loaded model (transformers 5.0 ties them only
         # when weights load, so a model built from its config would count its LM head twice).
         model.tie_weights()
-        if lora is not None:
-            from comarl.agents import add_lora
-
+        if adapter is not None and lm_head:
+            model = get_peft_model(model, adapter)
+        elif lora is not None:
             model = add_lora(model, *lora)
     except Exception:  # the check is advisory; never stop a run that loading would let through
         return None
     parameters = sum(p.numel() for p in model.parameters())
     trainable = (
-        sum(p.numel() for p in model.parameters() if p.requires_grad) if lora is not None else parameters
+        sum(p.numel() for p in model.parameters() if p.requires_grad)
+        if lora is not None or (adapter is not None and lm_head)
+        else parameters
     )
     return ModelSize(parameters, trainable)
 
