@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import copy
+
 import pytest
 import torch
 
@@ -164,3 +166,39 @@ def test_shared_weights_train_and_are_checked(qwen_bpe, llama_word):
         comarl.IPPOConfig(share_weights=True)
     with pytest.raises(ConfigError, match="MADPO keeps one model per agent"):
         comarl.MADPOConfig(share_weights=True)
+
+
+def test_a_team_that_shares_one_model_trains_as_share_weights(qwen_bpe):
+    """Team(share_weights=True) could not be trained: the config's share_weights=False rebuilt the team (refused as
+    two agents holding one model) and share_weights=True took only model names, not agents."""
+    from comarl import Agent, Team
+
+    first = Agent.from_pretrained(qwen_bpe, role="a")
+    second = Agent(first.model, copy.deepcopy(first.tokenizer), role="b")
+    shared = Team([first, second], share_weights=True)
+    settings = dict(prompts_per_step=2, num_generations=2, max_new_tokens=4, max_steps=1, progress_bar=False)
+    with pytest.raises(
+        ConfigError,
+        match=r"team=Team\(\.\.\., share_weights=True\) but share_weights=False in the config: set both to True",
+    ):
+        comarl.MAGRPOTrainer(
+            team=shared, train_dataset=DATA, reward_func=length_reward, args=MAGRPOConfig(**settings)
+        )
+    trainer = comarl.MAGRPOTrainer(
+        team=shared,
+        train_dataset=DATA,
+        reward_func=length_reward,
+        args=MAGRPOConfig(share_weights=True, **settings),
+    )
+    before = _weights(first)
+    trainer.train()
+    assert trainer.team[0] is first and trainer.team[1] is second and second.model is first.model
+    assert trainer.optimizers[0] is trainer.optimizers[1] and not _same(before, _weights(first))
+    separate = Team([Agent.from_pretrained(qwen_bpe), Agent.from_pretrained(qwen_bpe)])
+    with pytest.raises(ConfigError, match=r"share_weights=False\) but share_weights=True in the config"):
+        comarl.MAGRPOTrainer(
+            team=separate,
+            train_dataset=DATA,
+            reward_func=length_reward,
+            args=MAGRPOConfig(share_weights=True, **settings),
+        )

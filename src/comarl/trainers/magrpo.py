@@ -218,8 +218,16 @@ class MAGRPOTrainer:
         self.memory_summary: str | None = None
         if args.check_memory:
             self.memory_summary = self._check_memory(members, devices)
+        if team is not None and team.share_weights != args.share_weights:
+            raise ConfigError(
+                f"team=Team(..., share_weights={team.share_weights}) but share_weights={args.share_weights} in "
+                f"the config: set both to {team.share_weights} (share_weights=True: one model, one optimizer, one "
+                "update on the sum of the agents' losses)"
+            )
         if args.lora_shared_base:
             self.team = Team(_shared_base_agents(members, tokenizer, devices, model_config, args))
+        elif args.share_weights and team is not None:
+            self.team = team  # its agents hold one model object (checked by Team)
         elif args.share_weights:
             first = _load_agent(
                 _one_model(members, devices, "share_weights"), tokenizer, 0, devices[0], model_config
