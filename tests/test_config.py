@@ -6,6 +6,8 @@ import sys
 import pytest
 
 from comarl.config import (
+    COMLRL_REFUSED,
+    TRAINERS,
     ConfigError,
     IACConfig,
     MADPOConfig,
@@ -14,6 +16,8 @@ from comarl.config import (
     MAReMaxConfig,
     MARLOOConfig,
     RunSpec,
+    comlrl_spellings,
+    config_class,
     config_help,
     load_run_spec,
 )
@@ -359,8 +363,8 @@ def test_override_scientific_notation_is_a_number(spec_path):
 
 
 def test_override_run_fields_and_alias(spec_path):
-    spec = load_run_spec(spec_path, ["num_agents=3", "args.advantage_mode=raw"])
-    assert spec.num_agents == 3
+    spec = load_run_spec(spec_path, ["task=code", "model=m", "num_agents=3", "args.advantage_mode=raw"])
+    assert (spec.task, spec.model, spec.num_agents) == ("code", "m", 3)
     assert spec.trainer_args().baseline == "none"
 
 
@@ -469,3 +473,108 @@ def test_cli_output_into_a_closed_pipe_ends_without_a_traceback():
     stderr = proc.stderr.read()
     assert proc.wait(timeout=60) == 1
     assert stderr == ""
+
+
+# ----------------------------------------------------------------------------- what a new user gets wrong
+
+
+@pytest.mark.parametrize(
+    ("cls", "kwargs", "message"),
+    [
+        # NaN passed `beta < 0` and `epsilon <= 0`; inf passed every `> 0` check
+        (MAGRPOConfig, {"beta": float("nan")}, r"^beta=nan: must be a finite number$"),
+        (MAGRPOConfig, {"beta": float("inf")}, r"^beta=inf: must be a finite number$"),
+        (MAGRPOConfig, {"epsilon": float("nan")}, r"^epsilon=nan: must be a finite number$"),
+        (MAGRPOConfig, {"epsilon_high": float("nan")}, r"^epsilon_high=nan: must be a finite number$"),
+        (IACConfig, {"entropy_coef": float("nan")}, r"^entropy_coef=nan: must be a finite number$"),
+        (IACConfig, {"critic_learning_rate": float("inf")}, r"^critic_learning_rate=inf: must be a finite"),
+        (MADPOConfig, {"dpo_beta": float("inf")}, r"^dpo_beta=inf: must be a finite number$"),
+        (
+            MAGRPOConfig,
+            {"agent_settings": [{}, {"micro_batch_size": 0}]},
+            r"^agent_settings\[1\]: micro_batch",
+        ),
+        # a list reached a dict lookup (unhashable type: 'list', no field named)
+        (MAGRPOConfig, {"joint_mode": ["aligned"]}, r"^joint_mode=\['aligned'\]: must be a string$"),
+        # the critic trainers divided by it (ZeroDivisionError)
+        (IACConfig, {"micro_batch_size": 0}, r"^micro_batch_size=0: must be an integer >= 1 \(or None"),
+        # '' passed the checks for a missing output_dir (save_steps, tensorboard), yet the trainer writes no files
+        (MAGRPOConfig, {"output_dir": ""}, r"^output_dir='': give a folder, or null"),
+    ],
+)
+def test_values_that_slipped_through_are_refused(cls, kwargs, message):
+    with pytest.raises(ConfigError, match=message):
+        cls(**kwargs)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        # PyYAML's own exceptions reached the user as tracebacks
+        ("args:\n\tmax_steps: 2\n", r"run.yaml: not valid YAML: line 2, column 1: found character '\\t'"),
+        ("args: {max_steps: 2\n", r"run.yaml: not valid YAML: line 2, column 1: expected ',' or '}'"),
+        # the later value silently won
+        (
+            "args:\n  max_steps: 2\n  max_steps: 3\n",
+            r"run.yaml: not valid YAML: line 3, column 3: duplicate key ",
+        ),
+        ("task: demo\ntask: code\n", r"run.yaml: not valid YAML: line 2, column 1: duplicate key 'task'"),
+        # dict() of a list or a string: TypeError / ValueError
+        ("args: [1, 2]\n", r"^args=\[1, 2\]: must be a mapping of magrpo fields"),
+        ("args: hello\n", r"^args='hello': must be a mapping of magrpo fields"),
+        # settings of other tasks were silently ignored
+        (
+            "task: demo\nmodel: Qwen/Qwen2.5-0.5B\n",
+            r"^model='Qwen/Qwen2.5-0.5B': task='demo' does not use it",
+        ),
+        ("task: demo\nnum_agents: 3\n", r"^num_agents=3: task='demo' .* two agents"),
+        (
+            "task: code\nmodel: m\ndataset: d.jsonl\n",
+            r"^dataset='d.jsonl': task='code' does not use it; .*source:",
+        ),
+        ("num_agents: 0\n", r"^num_agents=0: must be an integer >= 1"),
+    ],
+)
+def test_yaml_mistakes_are_config_errors(tmp_path, text, message):
+    path = tmp_path / "run.yaml"
+    path.write_text(text)
+    with pytest.raises(ConfigError, match=message):
+        load_run_spec(path)
+
+
+def test_yaml_anchors_and_merge_keys_still_work(tmp_path):
+    path = tmp_path / "run.yaml"
+    # an explicit key overrides a merged one
+    path.write_text("args: &a\n  <<: {max_steps: 2, seed: 1}\n  seed: 3\n")
+    assert load_run_spec(path).args == {"max_steps": 2, "seed": 3}
+
+
+def test_a_run_spec_that_is_not_a_yaml_file(tmp_path):
+    with pytest.raises(ConfigError, match=r"is a folder; give a YAML run spec"):
+        load_run_spec(tmp_path)
+    (tmp_path / "plot.png").write_bytes(b"\x89PNG\r\n\x1a\n")
+    with pytest.raises(ConfigError, match=r"plot.png: cannot read it as text"):
+        load_run_spec(tmp_path / "plot.png")
+
+
+def test_overrides_parse_errors_and_the_trainer_they_set(spec_path):
+    with pytest.raises(ConfigError, match=r"^--set args.learning_rate={: not valid YAML: line 1, column 2"):
+        load_run_spec(spec_path, ["args.learning_rate={"])
+    # fields of the trainer chosen by --set were refused as unknown fields of the YAML's trainer
+    for overrides in (["trainer=ippo", "num_mini_batches=4"], ["args.num_mini_batches=4", "trainer=ippo"]):
+        assert load_run_spec(spec_path, overrides).trainer_args().num_mini_batches == 4
+
+
+@pytest.mark.parametrize("name", sorted(COMLRL_REFUSED))
+def test_every_refused_comlrl_field_is_a_config_error_that_says_what_to_do(name):
+    """MARLHF's rl_algorithm and reward_model_device (CoMLRL fields docs/preference.md lists) raised a bare
+    TypeError; every refused CoMLRL field must reach the ConfigError that names the fix."""
+    classes = [config_class(t) for t in TRAINERS if name in comlrl_spellings(config_class(t))]
+    assert classes, f"no config class takes the CoMLRL spelling {name}"
+    for cls in classes:
+        annotation = str(cls.__dataclass_fields__[name].type)
+        value = (
+            "x" if "str" in annotation else True if "bool" in annotation else 2
+        )  # of the spelling's own type
+        with pytest.raises(ConfigError, match=rf"^{name}={value!r}: a CoMLRL field comarl does not take; "):
+            cls(**{name: value})

@@ -115,6 +115,41 @@ def test_cli_train_function_task(tmp_path, qwen_bpe, capsys):
 
 
 @pytest.mark.parametrize(
+    ("data", "message"),
+    [
+        ('{"prompt": "a"}\n{bad json\n', "is not valid JSON (Expecting property name"),
+        (None, "dataset: cannot load"),  # neither a .json/.jsonl file nor a hub dataset
+        (
+            '{"text": "a"}\n{"text": "b"}\n',
+            "prompt_column='prompt': the first item of dataset has no such key",
+        ),
+    ],
+)
+def test_cli_function_task_refuses_bad_data_before_the_run_starts(tmp_path, qwen_bpe, capsys, data, message):
+    """A dataset that is not JSON, not there, or without the prompt column crashed with a traceback; the missing
+    column only at the first step, after the run folder's logs had been replaced."""
+    out = tmp_path / "out"
+    out.mkdir()
+    (out / "metrics.jsonl").write_text('{"step": 1, "reward": 0.5}\n')
+    path = tmp_path / ("data.jsonl" if data is not None else "data.csv")
+    if data is not None:
+        path.write_text(data)
+    (tmp_path / "rewards.py").write_text("def longer(a, b):\n    return [len(x) for x in a]\n")
+    spec = tmp_path / "run.yaml"
+    spec.write_text(
+        f"task: function\nmodel: {qwen_bpe}\ndataset: {path}\n"
+        f"reward_funcs: ['{tmp_path / 'rewards.py'}:longer']\n"
+        f"args: {{max_steps: 1, progress_bar: false, output_dir: {out}}}\n"
+    )
+    assert main(["train", str(spec)]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("comarl: error: ") and message in err
+    assert (
+        out / "metrics.jsonl"
+    ).read_text() == '{"step": 1, "reward": 0.5}\n'  # the earlier run's log is kept
+
+
+@pytest.mark.parametrize(
     ("argv", "message"),
     [
         (["--set", "nonsense=1"], "--set nonsense: unknown key"),

@@ -22,7 +22,7 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("demo", help="train two tiny agents to coordinate, offline on the CPU")
     demo.add_argument("--out", default=None, help="run folder (default: runs/demo-<time>)")
     demo.add_argument("--steps", type=int, default=None, help="training steps (default: the demo's)")
-    demo.add_argument("--seed", type=int, default=0)
+    demo.add_argument("--seed", type=int, default=0, help="seed of the team and the training (default 0)")
     demo.add_argument("--no-progress", action="store_true", help="no progress bar")
 
     train = sub.add_parser("train", help="train from a YAML run spec")
@@ -44,7 +44,9 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     fields = sub.add_parser("fields", help="list a trainer's config fields with their help")
-    fields.add_argument("trainer", nargs="?", default="magrpo")
+    fields.add_argument(
+        "trainer", nargs="?", default="magrpo", help=f"{', '.join(TRAINERS)} (default magrpo)"
+    )
 
     evaluate = sub.add_parser(
         "eval", help="evaluate a team, one model or a pipeline on the code or writing task"
@@ -65,17 +67,19 @@ def main(argv: list[str] | None = None) -> int:
         "--source", default=None, help="the task's data source (default: writing local, code humaneval)"
     )
     evaluate.add_argument("--limit", type=int, default=None, help="evaluate the first LIMIT items only")
-    evaluate.add_argument("--turns", type=int, default=1, help="turns per episode (code feedback rounds)")
+    evaluate.add_argument(
+        "--turns", type=int, default=1, help="turns per episode (code feedback rounds; default 1)"
+    )
     evaluate.add_argument(
         "--temperature",
         type=float,
         default=None,
         help="default: greedy for --samples 1, else 1.0; 0 is greedy",
     )
-    evaluate.add_argument("--max-new-tokens", type=int, default=256)
+    evaluate.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer (default 256)")
     evaluate.add_argument("--batch-size", type=int, default=8, help="items per batched generate call")
     evaluate.add_argument("--device", default=None, help="default: cuda when available, else cpu")
-    evaluate.add_argument("--seed", type=int, default=0)
+    evaluate.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")
     evaluate.add_argument(
         "--json", dest="json_path", default=None, help="also write the result (with samples) here"
     )
@@ -86,7 +90,7 @@ def main(argv: list[str] | None = None) -> int:
         "--keys",
         nargs="+",
         default=["reward", "success"],
-        help="metrics to draw, one panel each (eval/<key> too)",
+        help="metrics to draw, one panel each (eval/<key> too; default: reward success)",
     )
     plot.add_argument("--out", default=None, help="PNG path (default: RUN_DIR/plot.png)")
 
@@ -221,12 +225,20 @@ def _train(spec: RunSpec, resume: bool = False) -> int:
         )
     else:
         column = spec.prompt_column
+        train_dataset, eval_dataset = _load_dataset(spec.dataset), _load_dataset(spec.eval_dataset)
+        for name, data in (("dataset", train_dataset), ("eval_dataset", eval_dataset)):
+            # checked before the run starts: a KeyError at the first prompt came after the folder's logs were replaced
+            if data is not None and len(data) and (not isinstance(data[0], dict) or column not in data[0]):
+                keys = sorted(data[0]) if isinstance(data[0], dict) else type(data[0]).__name__
+                raise ConfigError(
+                    f"prompt_column={column!r}: the first item of {name} has no such key ({keys})"
+                )
         trainer = trainer_cls(
             model=spec.model,
             agents=spec.agents,
             num_agents=None if spec.agents else spec.num_agents,
-            train_dataset=_load_dataset(spec.dataset),
-            eval_dataset=_load_dataset(spec.eval_dataset),
+            train_dataset=train_dataset,
+            eval_dataset=eval_dataset,
             reward_func=[_import_callable(name) for name in spec.reward_funcs or []],
             formatters=lambda item: item[column],
             args=args,
@@ -327,15 +339,24 @@ def _load_dataset(source: str | None) -> Any:
         if not path.exists():
             raise ConfigError(f"dataset: {source} does not exist")
         text = path.read_text()
-        if source.endswith(".jsonl"):
-            return [json.loads(line) for line in text.splitlines() if line.strip()]
-        data = json.loads(text)
+        try:
+            if source.endswith(".jsonl"):
+                return [json.loads(line) for line in text.splitlines() if line.strip()]
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise ConfigError(f"dataset: {source} is not valid JSON ({exc.msg}: {exc.doc[:60]!r})") from None
         if not isinstance(data, list):
             raise ConfigError(f"dataset: {source} must hold a JSON list of objects")
         return data
     import datasets
 
-    return datasets.load_dataset(source, split="train")
+    try:
+        return datasets.load_dataset(source, split="train")
+    except OSError as exc:  # no such file or hub dataset (FileNotFoundError), or offline (ConnectionError)
+        first = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        raise ConfigError(
+            f"dataset: cannot load {source!r} ({first}); give a .json/.jsonl path or a datasets hub name"
+        ) from None
 
 
 def _import_callable(name: str) -> Callable[..., Any]:

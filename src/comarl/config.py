@@ -420,7 +420,8 @@ class MAGRPOConfig:
 
     def __post_init__(self, *initvars: Any) -> None:
         self.take_comlrl_spellings(dict(zip(comlrl_spellings(type(self)), initvars)))
-        self.joint_mode = _JOINT_MODE_ALIASES.get(self.joint_mode, self.joint_mode)
+        if isinstance(self.joint_mode, str):  # anything else is refused by validate(), with the field named
+            self.joint_mode = _JOINT_MODE_ALIASES.get(self.joint_mode, self.joint_mode)
         self.validate()
 
     def take_comlrl_spellings(self, given: dict[str, Any]) -> None:
@@ -521,6 +522,12 @@ class MAGRPOConfig:
                 raise ConfigError(f"{name}={getattr(self, name)!r}: must be in [0, 1)")
         if not (self.adam_epsilon > 0 and math.isfinite(self.adam_epsilon)):
             raise ConfigError(f"adam_epsilon={self.adam_epsilon!r}: must be a finite number > 0")
+        if self.micro_batch_size is not None and self.micro_batch_size < 1:
+            raise ConfigError(
+                f"micro_batch_size={self.micro_batch_size!r}: must be an integer >= 1 (or None for all at once)"
+            )
+        if self.output_dir == "":
+            raise ConfigError("output_dir='': give a folder, or null for no files")
         if self.top_k is not None and self.top_k < 0:
             raise ConfigError(f"top_k={self.top_k!r}: must be >= 0 (0 or None = off)")
         if self.eval_num_samples is not None and self.eval_num_samples < 1:
@@ -564,9 +571,7 @@ class MAGRPOConfig:
             raise ConfigError("kl_penalty='reward' with beta=0 penalises nothing: set beta > 0 (e.g. 0.05)")
         G = self.num_generations
         completions = self.prompts_per_step * G
-        if self.micro_batch_size is not None and (
-            self.micro_batch_size < 1 or completions % self.micro_batch_size
-        ):
+        if self.micro_batch_size is not None and completions % self.micro_batch_size:
             raise ConfigError(
                 f"micro_batch_size={self.micro_batch_size}: must divide the completions each agent trains on per "
                 f"step, prompts_per_step x num_generations = {self.prompts_per_step} x {G} = {completions}"
@@ -646,6 +651,10 @@ class MAGRPOConfig:
             raise ConfigError(f"max_children={self.max_children}: must be >= 1 (or None for all)")
         if self.max_nodes < 1:
             raise ConfigError(f"max_nodes={self.max_nodes}: must be >= 1")
+        for f in dataclasses.fields(self):  # NaN passes every `< 0` check, inf every `> 0` one
+            value = getattr(self, f.name)
+            if "float" in f.type and isinstance(value, numbers.Real) and not math.isfinite(value):
+                raise ConfigError(f"{f.name}={value!r}: must be a finite number")
         self._validate_agent_settings()
 
     def for_agent(self, i: int) -> MAGRPOConfig:
@@ -1097,6 +1106,9 @@ class MARLHFConfig(MAGRPOConfig):
         "reward_model/ folder an earlier MARLHF run saved).",
         default=True,
     )
+    # CoMLRL spellings comarl refuses (COMLRL_REFUSED says what to do instead).
+    rl_algorithm: InitVar[str | None] = None
+    reward_model_device: InitVar[Any] = None
 
     def validate_advantage(self) -> None:
         super().validate_advantage()
@@ -1165,7 +1177,33 @@ class RunSpec:
                 f"args.{unknown[0]}: unknown {self.trainer} field (see `comarl fields {self.trainer}`)"
             )
         check_field_types(self)
+        if self.num_agents < 1:
+            raise ConfigError(f"num_agents={self.num_agents}: must be an integer >= 1")
+        self._refuse_unused_fields()
         config_class(self.trainer)(**self.args)  # validates args now, with the field names in the errors
+
+    def _refuse_unused_fields(self) -> None:
+        """A field the task does not read is a mistake, not something to ignore silently."""
+        if self.task == "demo":
+            if self.num_agents != 2:
+                raise ConfigError(
+                    f"num_agents={self.num_agents}: task='demo' builds its own two agents; remove it"
+                )
+            unused = ("model", "agents", "dataset", "eval_dataset", "reward_funcs", "source")
+            instead = "the demo builds its own team and game; remove it (or choose another task:)"
+        elif self.task == "function":
+            unused, instead = ("source",), "its data comes from dataset: and eval_dataset:; remove it"
+        else:
+            unused = ("dataset", "eval_dataset", "reward_funcs")
+            instead = "its data comes from source: and its rewards are the task's; remove it"
+        given = [name for name in unused if getattr(self, name) is not None]
+        if self.task != "function" and self.prompt_column != "prompt":
+            given.append("prompt_column")
+        if given:
+            name = given[0]
+            raise ConfigError(
+                f"{name}={getattr(self, name)!r}: task={self.task!r} does not use it; {instead}"
+            )
 
     def trainer_args(self) -> MAGRPOConfig:
         """The trainer's config; a run from the CLI evaluates its trained team at the end unless told not to."""
@@ -1209,24 +1247,43 @@ COMLRL_REFUSED = {
     "critic_devices": "a critic lives on its agent's device (the centralized one on agent 0's); remove it",
     "critic_value_head_hidden_dim": "comarl's value heads are linear; remove it",
     "value_head_hidden_dim": "comarl's value heads are linear; remove it",
+    "rl_algorithm": "MARLHF trains with the MAGRPO family (set baseline= / scale=); for a critic trainer, wrap its "
+    "env in RewardModelEnv (docs/preference.md); remove it",
+    "reward_model_device": "the reward model lives on agent 0's device (agent_devices); remove it",
 }
 
 
 def yaml_load(text: str) -> Any:
-    """``yaml.safe_load`` that also reads ``1e-3`` as a float (YAML 1.2; PyYAML's 1.1 reads it as a string)."""
+    """``yaml.safe_load`` that also reads ``1e-3`` as a float (YAML 1.2; PyYAML's 1.1 reads it as a string) and
+    refuses a key given twice in one mapping (PyYAML keeps the last); ConfigError with the line if it fails."""
     import re
 
     import yaml
 
     class Loader(yaml.SafeLoader):
-        pass
+        def construct_mapping(self, node: Any, deep: bool = False) -> Any:
+            seen = set()
+            # Checked before merge keys (<<) are flattened: an explicit key may override a merged one.
+            for key_node, _ in node.value:
+                if isinstance(key_node, yaml.ScalarNode) and key_node.tag != "tag:yaml.org,2002:merge":
+                    if key_node.value in seen:
+                        raise yaml.constructor.ConstructorError(
+                            None, None, f"duplicate key {key_node.value!r}", key_node.start_mark
+                        )
+                    seen.add(key_node.value)
+            return super().construct_mapping(node, deep)
 
     float_pattern = re.compile(
         r"^[-+]?(?:[0-9][0-9_]*\.[0-9_]*(?:[eE][-+]?[0-9]+)?|[0-9][0-9_]*[eE][-+]?[0-9]+|\.[0-9_]+(?:[eE][-+]?[0-9]+)?"
         r"|\.(?:inf|Inf|INF))$|^\.(?:nan|NaN|NAN)$"
     )
     Loader.add_implicit_resolver("tag:yaml.org,2002:float", float_pattern, list("-+0123456789."))
-    return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader subclass
+    try:
+        return yaml.load(text, Loader=Loader)  # noqa: S506 - a SafeLoader subclass
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f"line {mark.line + 1}, column {mark.column + 1}: " if mark is not None else ""
+        raise ConfigError(f"not valid YAML: {where}{getattr(exc, 'problem', None) or exc}") from None
 
 
 def parse_value(text: str) -> Any:
@@ -1234,20 +1291,33 @@ def parse_value(text: str) -> Any:
     return yaml_load(text) if text != "" else ""
 
 
+def _parse_override(item: str) -> tuple[str, Any]:
+    """``--set key=value`` -> (key, value parsed as YAML)."""
+    if "=" not in item:
+        raise ConfigError(f"--set {item!r}: expected key=value")
+    key, text = item.split("=", 1)
+    try:
+        return key.strip(), parse_value(text)
+    except ConfigError as exc:
+        raise ConfigError(f"--set {item}: {exc}") from None
+
+
 def apply_overrides(raw: dict[str, Any], overrides: list[str]) -> dict[str, Any]:
     """Apply ``key=value`` overrides; ``args.<field>`` or a bare trainer field reaches the trainer args."""
     spec_fields = {f.name for f in dataclasses.fields(RunSpec)}
-    trainer = raw.get("trainer", "magrpo")
+    parsed = [_parse_override(item) for item in overrides]
+    # The trainer (a --set trainer= included) decides which fields the other overrides may name.
+    trainer = next(
+        (value for key, value in reversed(parsed) if key == "trainer"), raw.get("trainer", "magrpo")
+    )
     if trainer not in TRAINERS:
         raise ConfigError(f"trainer={trainer!r}: choose one of {list(TRAINERS)}")
     arg_fields = trainer_fields(trainer)
-    raw = {**raw, "args": dict(raw.get("args") or {})}
-    for item in overrides:
-        if "=" not in item:
-            raise ConfigError(f"--set {item!r}: expected key=value")
-        key, text = item.split("=", 1)
-        key = key.strip()
-        value = parse_value(text)
+    args = raw.get("args")
+    if args is not None and not isinstance(args, dict):
+        raise ConfigError(f"args={args!r}: must be a mapping of {trainer} fields, e.g. {{max_steps: 10}}")
+    raw = {**raw, "args": dict(args or {})}
+    for key, value in parsed:
         name = key.removeprefix("args.")
         if key.startswith("args.") or (key not in spec_fields and name in arg_fields):
             if name not in arg_fields:
@@ -1269,8 +1339,14 @@ def load_run_spec(path: str | Path | None, overrides: list[str] | None = None) -
     raw: dict[str, Any] = {}
     if path is not None:
         if not Path(path).is_file():
-            raise ConfigError(f"{path} does not exist; give a YAML run spec (see examples/)")
-        loaded = yaml_load(Path(path).read_text())
+            problem = "is a folder" if Path(path).is_dir() else "does not exist"
+            raise ConfigError(f"{path} {problem}; give a YAML run spec (see examples/)")
+        try:
+            loaded = yaml_load(Path(path).read_text())
+        except ConfigError as exc:
+            raise ConfigError(f"{path}: {exc}") from None
+        except (OSError, UnicodeDecodeError) as exc:
+            raise ConfigError(f"{path}: cannot read it as text ({exc}); give a YAML run spec") from None
         if loaded is None:
             loaded = {}
         if not isinstance(loaded, dict):
