@@ -130,6 +130,19 @@ def test_both_conventions_give_identical_results():
     assert [[r.components for r in row] for row in a] == [[r.components for r in row] for row in b]
 
 
+def test_a_batched_reward_error_counts_joint_actions_and_items():
+    """A batched call over 2 items and 3 joint actions was reported as "a batch of 3 items"."""
+
+    def broken(a, b):
+        raise ValueError("no")
+
+    env = FunctionEnv(broken, FORMATTERS, num_agents=2, reward_call="batched")
+    with pytest.raises(
+        RewardFunctionError, match=r"a batch of 3 joint actions over 2 items \(first: \{'q': 'x'"
+    ):
+        env.step_many(_episodes(env), JOINT_ACTIONS)
+
+
 def test_unknown_reward_call():
     with pytest.raises(ValueError, match="reward_call='sometimes'"):
         FunctionEnv(lengths, FORMATTERS, num_agents=2, reward_call="sometimes")

@@ -146,9 +146,11 @@ class RewardFunctionError(RuntimeError):
 
 def _where(items: Sequence[Item]) -> str:
     """Name the item(s) of a reward call for an error message."""
-    if len({short_repr(item) for item in items}) == 1:
+    distinct = len({short_repr(item) for item in items})
+    if distinct == 1:
         return f"item {short_repr(items[0])}"
-    return f"a batch of {len(items)} items (first: {short_repr(items[0])})"
+    # One entry per joint action: the same item appears once per joint action of its group.
+    return f"a batch of {len(items)} joint actions over {distinct} items (first: {short_repr(items[0])})"
 
 
 def short_repr(item: Any, limit: int = 120) -> str:
