@@ -235,6 +235,28 @@ def test_agent_parallel_needs_torchrun(qwen_bpe, monkeypatch):
         )
 
 
+@pytest.mark.parametrize("opened", [False, True], ids=["torchrun", "own-group"])
+def test_several_processes_without_a_mode_are_refused(qwen_bpe, monkeypatch, opened):
+    """torchrun without agent_parallel or data_parallel: every process would train the whole team alone and write
+    the same output_dir (duplicate log rows, checkpoint parts replaced under each other); it stops at once."""
+    monkeypatch.setenv("WORLD_SIZE", "1" if opened else "2")
+    if opened:  # a process group the user opened: its size counts
+        monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+        monkeypatch.setattr(torch.distributed, "get_world_size", lambda group=None: 2)
+    with pytest.raises(
+        ConfigError,
+        match=r"this process is one of 2 .* agent_parallel=False and data_parallel=False: every process would "
+        r"train the whole team .* Set agent_parallel=True .* or data_parallel=True",
+    ):
+        MAREINFORCETrainer(
+            model=qwen_bpe,
+            num_agents=2,
+            train_dataset=DATA,
+            reward_func=two_word_reward,
+            args=MAREINFORCEConfig(**run_args()),
+        )
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("candidates_from", ["current", "initial"])
 def test_madpo_in_two_processes_exchanges_margins(qwen_bpe, llama_word, tmp_path, candidates_from):
@@ -698,6 +720,47 @@ def test_process_group_ends_cleanly_and_finish_leaves_with_its_status(tmp_path):
         )
         assert (done.returncode, done.stdout) == (code, printed), done.stderr
         assert "Traceback" not in done.stderr, done.stderr
+
+
+TIED_SCRIPT = """
+import sys
+import torch
+from transformers import AutoModelForCausalLM
+from comarl.distributed import DataParallel, _process_group, finish, save_own_model, whole_state_dict
+dist = _process_group("launch hint")
+torch.set_num_threads(1)
+model = AutoModelForCausalLM.from_pretrained(sys.argv[1])
+assert model.lm_head.weight is model.get_input_embeddings().weight  # tied
+rank = dist.get_rank()
+DataParallel(dist, rank, 2).shard_model(model)
+weights = whole_state_dict(model, keep=rank == 0)
+if rank == 0:
+    save_own_model(model, sys.argv[2], weights)
+finish()
+"""
+
+
+def test_sharded_agent_saves_tied_weights_once(qwen_bpe, tmp_path):
+    """An agent sharded over two processes, with tied embeddings (Qwen2, as Qwen2.5's small models), is saved as
+    save_pretrained saves the model itself: the shared tensor once, not a second copy as lm_head.weight."""
+    from safetensors.torch import load_file
+
+    script, out = tmp_path / "save_tied.py", tmp_path / "agent"
+    script.write_text(TIED_SCRIPT)
+    done = subprocess.run(
+        [
+            *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"),
+            *(str(script), qwen_bpe, str(out)),
+        ],
+        env=dict(os.environ, OMP_NUM_THREADS="1"),
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert done.returncode == 0, failure(done.stderr)
+    saved, source = load_file(out / "model.safetensors"), load_file(Path(qwen_bpe) / "model.safetensors")
+    assert sorted(saved) == sorted(source) and "lm_head.weight" not in saved
+    assert all(torch.equal(saved[k], source[k]) for k in source)
 
 
 class _TwoIdenticalProcesses:

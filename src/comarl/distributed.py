@@ -232,6 +232,7 @@ def launch(
     their gradients.
     """
     if not (agent_parallel or data_parallel):
+        _refuse_a_world_without_a_mode()
         return None, None, None
     per_shard = num_agents if agent_parallel else 1
     if agent_parallel and not data_parallel:
@@ -272,6 +273,23 @@ def launch(
     agents = AgentParallel(dist, rank % per_shard, per_shard, episode_group) if agent_parallel else None
     data = DataParallel(dist, rank // per_shard, shards, agent_group) if data_parallel else None
     return agents, data, Processes(dist, rank, world)
+
+
+def _refuse_a_world_without_a_mode() -> None:
+    """Stop a run launched as several processes (torchrun's WORLD_SIZE, or a process group already open) with neither
+    mode on: every process would train the whole team on every prompt and write the same output_dir at once."""
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if dist.is_available() and dist.is_initialized():
+        world = dist.get_world_size()
+    if world > 1:
+        raise ConfigError(
+            f"this process is one of {world} (torchrun, or a process group already open), but "
+            "agent_parallel=False and data_parallel=False: every process would train the whole team on every prompt "
+            "and write the same output_dir. Set agent_parallel=True (one process per agent) or data_parallel=True "
+            "(one per data shard), or run a single process without torchrun"
+        )
 
 
 def _is_gpu(device: Any) -> bool:
@@ -374,11 +392,17 @@ def whole_state_dict(model: Any, keep: bool) -> dict[str, torch.Tensor] | None:
     adapters = (
         {n for n, p in model.named_parameters() if p.requires_grad} if hasattr(model, "peft_config") else None
     )
-    weights = {}
-    for name, value in model.state_dict().items():
-        if adapters is not None and name not in adapters:
-            continue
-        whole = value.full_tensor() if _is_shard(value) else value
-        if keep:
-            weights[name] = whole.cpu()
+    weights: dict[str, torch.Tensor] = {}
+    # By tensor: tied weights (embeddings and LM head) are gathered once and kept as one tensor under each name,
+    # which save_pretrained writes once, as it does for the model itself.
+    gathered: dict[int, torch.Tensor | None] = {}
+    with torch.no_grad():
+        for name, value in model.state_dict(keep_vars=True).items():
+            if adapters is not None and name not in adapters:
+                continue
+            if id(value) not in gathered:
+                whole = value.full_tensor() if _is_shard(value) else value
+                gathered[id(value)] = whole.detach().cpu() if keep else None
+            if keep:
+                weights[name] = gathered[id(value)]
     return weights
