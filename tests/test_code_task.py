@@ -186,6 +186,72 @@ def test_early_exit_and_printed_results_cannot_fake_success(env):
     assert faked.components["tests"] == 0.0 and faked.info["success"] is False
 
 
+# Each cheat finds the run's marker where the old one-process harness kept it, prints a pass for every check and
+# the final line, and exits. Found in its own file or code (any completion could, for every problem: full marks
+# for nothing) or in the harness's memory via /proc (the harness is not dumpable, so the kernel refuses).
+FORGE = (
+    "    for m in set(re.findall('comarl-[0-9a-f]{24}', text)):\n"
+    "        os.write(1, ''.join(f'\\n{m} {i} pass\\n' for i in range(50)).encode() + f'\\n{m} done\\n'.encode())\n"
+    "    os._exit(0)\n"
+)
+CHEATS = {
+    "its directory's files": "import glob, os, re\ndef forge(text):\n" + FORGE + "forge(' '.join(open(p).read() for p in glob.glob('*')))\n",
+    "its code's constants": (
+        "import os, re, sys\ndef forge(text):\n" + FORGE + "def strings(code):\n"
+        "    return ' '.join(strings(c) if hasattr(c, 'co_consts') else str(c) for c in code.co_consts)\n"
+        "forge(strings(sys._getframe().f_code))\n"
+    ),
+    "the harness's memory": (
+        "import os, re\ndef forge(text):\n" + FORGE + "text = ''\ntry:\n"
+        "    mem = open(f'/proc/{os.getppid()}/mem', 'rb')\n"
+        "    for line in open(f'/proc/{os.getppid()}/maps'):\n"
+        "        low, high = (int(x, 16) for x in line.split()[0].split('-'))\n"
+        "        if line.split()[1].startswith('rw'):\n"
+        "            mem.seek(low)\n"
+        "            text += mem.read(high - low).decode('latin-1')\n"
+        "except (OSError, ValueError, OverflowError):\n"
+        "    pass\nforge(text)\n"
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("where", list(CHEATS))
+def test_the_result_marker_cannot_be_found_by_the_teams_code(env, where):
+    result = play(env, TWO, CHEATS[where], "def truncate_number(n):\n    return 42\n")
+    assert (result.info["success"], result.info["passed"]) == (False, 0)
+
+
+def test_the_tests_cannot_be_read_by_the_teams_code(env):
+    """A candidate that looks the expected answer up in the test (in the files it can read, or the frames that
+    call it) finds nothing: the tests run in the harness's process, which only sends it the arguments."""
+    lookup = (
+        "import glob, re, sys\n"
+        "def truncate_number(n):\n"
+        "    text = ' '.join(open(p).read() for p in glob.glob('*'))\n"
+        "    frame = sys._getframe(1)\n"
+        "    while frame:\n"
+        "        text, frame = text + repr(frame.f_code.co_consts) + repr(frame.f_locals), frame.f_back\n"
+        "    found = re.search(r'candidate\\(' + re.escape(repr(n)) + r'\\)(?: == | - )([0-9.]+)', text)\n"
+        "    return float(found.group(1)) if found else 0.0\n"
+    )
+    result = play(env, TWO, "", lookup)
+    assert result.info["passed"] == 0 and "AssertionError: got 0.0" in result.info["feedback"]
+
+
+def test_the_answers_travel_as_they_are_and_a_crash_during_a_check_is_reported(env):
+    """Answers cross from the team's process to the harness's exactly (tuples, sets, None, floats); a team's
+    program that ends during a check ends the run there, with its error in the feedback."""
+    item = {"task_id": "T/1", "prompt": "def f(x):\n", "entry_point": "f", "test": (
+        "def check(candidate):\n    assert candidate(0) == (1, 2)\n    assert candidate(1) == {3}\n"
+        "    assert candidate(2) is None\n    assert candidate(3) == 0.1\n    assert candidate(4) == 1\n")}  # fmt: skip
+    answers = "def f(x):\n    if x == 4:\n        raise SystemExit(os._exit(3))\n    return [(1, 2), {3}, None, 0.1][x]\n"
+    result = play(env, item, "import os\n", answers)
+    assert (result.info["passed"], result.info["reason"], result.info["success"]) == (4, "exit_code", False)
+    assert result.info["feedback"].startswith(
+        "4 of 5 checks passed.\nThe program stopped during check: assert candidate(4) == 1"
+    )
+
+
 def test_a_result_line_cut_by_the_output_cap_does_not_count():
     """The output cap can cut the harness's line for a failing check after its number; that is no pass."""
     program = build_program(TWO, {"solution": ""}, marker="comarl-m")
@@ -279,7 +345,9 @@ def test_program_marker_is_random_and_parts_are_located():
         "main": "def truncate_number(n):\n    return aux(n) % 1\n",
     }
     first, second = build_program(TWO, codes), build_program(TWO, codes)
-    assert first.marker != second.marker and first.marker in first.source
+    assert first.marker != second.marker and first.marker in first.job()
+    # the team's program holds neither the marker nor the tests: the harness runs them in another process
+    assert first.marker not in first.source and "candidate(3.5)" not in first.source
     assert first.checks == [
         "assert candidate(3.5) == 0.5",
         "assert abs(candidate(1.33) - 0.33) < 1e-6",
@@ -368,7 +436,9 @@ def test_single_agent_variant_and_body_only_completions():
 def test_step_many_runs_the_whole_batch_in_one_sandbox_call(env, monkeypatch):
     calls = []
     original = env.pool.run_many
-    monkeypatch.setattr(env.pool, "run_many", lambda sources: calls.append(len(sources)) or original(sources))
+    monkeypatch.setattr(
+        env.pool, "run_many", lambda sources, stdins: calls.append(len(sources)) or original(sources, stdins)
+    )
     a, b = copy.copy(env), copy.copy(env)  # two episodes, as the rollout makes them
     a.reset(ZERO)
     b.reset(TWO)
@@ -404,6 +474,8 @@ def test_bad_input_is_named():
             ValueError, match=r"CodeEnv: check_timeout_s=.*; give a positive number of seconds"
         ):
             CodeEnv(check_timeout_s=bad)
+    with pytest.raises(ValueError, match=r"CodeEnv: limits.processes=2; give at least 3"):
+        CodeEnv(limits=SandboxLimits(processes=2))  # the harness and the team's program are two processes
     environment = CodeEnv(num_agents=2, limits=LIMITS)
     try:
         with pytest.raises(KeyError, match=r"CodeEnv.reset: the item lacks \['entry_point', 'test'\]"):

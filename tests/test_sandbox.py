@@ -6,6 +6,7 @@ asserts the behaviour that ``detect_isolation()`` reports, so the report itself 
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import signal
@@ -198,6 +199,42 @@ def test_a_process_that_leaves_the_group_dies_with_the_pid_namespace(world_writa
         assert (shared / "escaped").read_text() == "still alive"
 
 
+def test_a_run_ends_at_its_timeout_even_when_the_trainer_died(world_writable):
+    """The trainer kills a run at its timeout; if the trainer itself is killed (OOM killer, preemption) during
+    the run, the launcher ends the run a second after the timeout instead of leaving it asleep forever."""
+    trainer = subprocess.Popen(
+        [sys.executable, "-c", "from comarl.sandbox import *\nrun_python('import time\\ntime.sleep(60)', "
+         "SandboxLimits(timeout_s=1.0))"],
+        env={**os.environ, "TMPDIR": str(world_writable)},
+    )  # fmt: skip
+
+    def running() -> list[str]:  # live processes of that run (not of the probes): their command line names it
+        run, found = f"{world_writable}/comarl-sandbox-".encode(), []
+        for entry in os.listdir("/proc"):
+            with contextlib.suppress(OSError):
+                command = Path(f"/proc/{entry}/cmdline").read_bytes() if entry.isdigit() else b""
+                if run in command and b"comarl-sandbox-probe-" not in command:
+                    found.append(entry)
+        return found
+
+    try:
+        deadline = time.perf_counter() + 4.0
+        while not running() and time.perf_counter() < deadline:
+            time.sleep(0.05)
+        assert running(), "the run did not start"
+    finally:
+        trainer.kill()
+        trainer.wait()
+    deadline = time.perf_counter() + 4.0  # timeout 1 s + 1 s of grace, on a busy machine
+    while running() and time.perf_counter() < deadline:
+        time.sleep(0.05)
+    left = running()
+    for pid in left:  # do not leave them behind when the test fails
+        with contextlib.suppress(OSError):
+            os.kill(int(pid), signal.SIGKILL)
+    assert left == []
+
+
 def test_writing_outside_its_directory(world_writable):
     """The fresh working directory is not a jail: a world-writable path is writable from the sandbox.
 
@@ -355,6 +392,14 @@ def test_pool_runs_concurrently_and_keeps_input_order():
     assert [r.stdout for r in results] == [f"{i}\n" for i in range(8)]
     assert all(isinstance(r, RunResult) and r.ok for r in results)
     assert elapsed < 2.5  # one after another would take more than 4 s
+
+
+def test_pool_gives_each_program_its_own_stdin():
+    with SandboxPool(max_workers=2, limits=FAST) as pool:
+        results = pool.run_many(["print(input().upper())"] * 2, ["a", "b"])
+        assert [r.stdout for r in results] == ["A\n", "B\n"]
+        with pytest.raises(ValueError, match=r"SandboxPool.run_many: 2 sources but 1 stdins"):
+            pool.run_many(["pass", "pass"], ["x"])
 
 
 def test_pool_default_workers_is_the_core_count():

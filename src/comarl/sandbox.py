@@ -15,7 +15,8 @@ One run, top to bottom (``run_python``):
    the unprivileged user ``nobody`` (root ignores the process-count limit);
 3. read stdout and stderr with a size cap, until the program ends, the wall-clock timeout or
    the cap; then kill the whole process group, always, so nothing the program started survives
-   (with a PID namespace, even processes that left the group die with it).
+   (with a PID namespace, even processes that left the group die with it). The launcher ends the
+   run itself a second after the timeout, should the trainer have died or hung meanwhile.
 
 What is *not* isolated (writing to user-writable paths, and more without namespaces) is listed
 in ``docs/sandbox.md``. Only POSIX systems are supported.
@@ -49,11 +50,12 @@ SAFE_PATH = "/usr/local/bin:/usr/bin:/bin"
 
 # The intermediate process between the trainer and the program (runs as ``python -I -S -c``).
 # argv: status fd, cpu seconds, address-space bytes, file-size bytes, open files, processes (-1: none),
-# interpreter, program file. It reports "exit N", "signal N" or "error TEXT" on the status fd, which
-# the program does not inherit. A PID namespace's init ignores signals from inside it, so the
-# launcher reports the program's fate instead of re-raising it.
+# interpreter, program file, wall-clock seconds. It reports "exit N", "signal N" or "error TEXT" on the
+# status fd, which the program does not inherit. A PID namespace's init ignores signals from inside it, so
+# the launcher reports the program's fate instead of re-raising it. It also ends the run itself a second
+# after the wall-clock limit, in case the trainer does not (it was killed, or hangs).
 LAUNCHER = r"""
-import os, resource, sys
+import os, resource, signal, sys
 fd = int(sys.argv[1])
 os.set_inheritable(fd, False)
 cpu, memory, fsize, nofile, nproc = (int(a) for a in sys.argv[2:7])
@@ -74,6 +76,15 @@ if pid == 0:
         os.execv(sys.argv[7], [sys.argv[7], "-I", sys.argv[8]])
     finally:
         os._exit(127)
+
+
+def expire(signum, frame):
+    os.killpg(0, signal.SIGKILL)  # the run's process group; as a PID namespace's init, exiting ends the rest
+    os._exit(137)
+
+
+signal.signal(signal.SIGALRM, expire)
+signal.setitimer(signal.ITIMER_REAL, float(sys.argv[9]))
 while True:
     try:
         status = os.waitpid(pid, 0)[1]
@@ -326,6 +337,7 @@ def _run(
         str(nproc),
         iso.python,
         program,
+        str(limits.timeout_s + 1.0),
     ]
     try:
         proc = subprocess.Popen(
@@ -505,10 +517,14 @@ class SandboxPool:
         self._executor = ThreadPoolExecutor(max_workers=self.max_workers, thread_name_prefix="comarl-sandbox")
         self.runs = 0  # programs run so far
 
-    def run_many(self, sources: Sequence[str]) -> list[RunResult]:
-        """Run every source under the pool's limits; results in input order."""
+    def run_many(self, sources: Sequence[str], stdins: Sequence[str] | None = None) -> list[RunResult]:
+        """Run every source (with its ``stdins`` entry as standard input, if given) under the pool's limits;
+        results in input order."""
+        stdins = [""] * len(sources) if stdins is None else stdins
+        if len(stdins) != len(sources):
+            raise ValueError(f"SandboxPool.run_many: {len(sources)} sources but {len(stdins)} stdins")
         detect_isolation(self.limits.network)  # probe once here, not in every worker at the same time
-        results = list(self._executor.map(lambda s: run_python(s, self.limits), sources))
+        results = list(self._executor.map(lambda s, i: run_python(s, self.limits, i), sources, stdins))
         self.runs += len(results)
         return results
 

