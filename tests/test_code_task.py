@@ -642,11 +642,13 @@ def test_example_run_specs_are_valid(name):
     )
 
 
-def test_cli_trains_a_tiny_team_on_humaneval(tmp_path, capsys):
+def test_cli_trains_a_tiny_team_on_humaneval(tmp_path, capsys, monkeypatch):
     import json
 
     from comarl.cli import main
 
+    closed = []  # comarl train never closed the env it built: the sandbox pool's threads stayed
+    monkeypatch.setattr(code.CodeEnv, "close", lambda self: closed.append(self))
     paths = code.build_team(tmp_path / "team", seed=0)
     spec = tmp_path / "run.yaml"
     spec.write_text(
@@ -657,3 +659,4 @@ def test_cli_trains_a_tiny_team_on_humaneval(tmp_path, capsys):
     assert main(["train", str(spec)]) == 0
     printed = json.loads(capsys.readouterr().out)
     assert {"reward/syntax", "reward/tests", "eval/reward/total"} <= set(printed)
+    assert len(closed) == 1

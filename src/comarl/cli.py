@@ -200,6 +200,7 @@ def _train(spec: RunSpec, resume: bool = False) -> int:
                 f"--resume: no finished checkpoint in {where}; run without --resume to start the run (it writes "
                 "one every args.save_steps)"
             )
+    env = None
     if spec.task == "demo":
         from comarl.tasks import demo
 
@@ -214,13 +215,14 @@ def _train(spec: RunSpec, resume: bool = False) -> int:
         task = task_protocol(spec.task)
         source = spec.source or task.default_source
         num_agents = len(spec.agents) if spec.agents else spec.num_agents
+        env = task.make_env(num_agents, args.num_turns)  # this run's: closed when it ends
         trainer = trainer_cls(
             model=spec.model,
             agents=spec.agents,
             num_agents=None if spec.agents else spec.num_agents,
             train_dataset=task.load_items("train", source),
             eval_dataset=task.load_items("eval", source),
-            env=task.make_env(num_agents, args.num_turns),
+            env=env,
             args=args,
         )
     else:
@@ -243,7 +245,11 @@ def _train(spec: RunSpec, resume: bool = False) -> int:
             formatters=lambda item: item[column],
             args=args,
         )
-    metrics = trainer.train(resume_from_checkpoint=True if resume else None)
+    try:
+        metrics = trainer.train(resume_from_checkpoint=True if resume else None)
+    finally:
+        if env is not None:
+            env.close()  # the code task's sandbox pool
     if trainer.processes is None or trainer.processes.rank == 0:  # one summary per run, not per process
         if not metrics:  # resumed at its last step: nothing to train; the run's rows are in its log
             done = f"step {trainer.step} of {trainer.total_steps}"
