@@ -28,6 +28,11 @@ class LengthReward:
         return [len(x) / 10 - len(y) / 20 for x, y in zip(a, b)]
 
 
+def _next_turn(item, completions, history):
+    """A transition for multi-turn runs: each agent's next prompt quotes its last answer."""
+    return [f"turn {len(history.responses[0]) + 1}: {c[:8]}" for c in completions]
+
+
 def _trainer(name, model, out, reward, **overrides):
     settings = dict(
         prompts_per_step=2,
@@ -46,9 +51,15 @@ def _trainer(name, model, out, reward, **overrides):
         model=model,
         num_agents=2,
         train_dataset=DATA,
+        eval_dataset=DATA[:2] if settings.get("eval_interval") else None,
         reward_func=reward,
+        transition=_next_turn if settings.get("num_turns", 1) > 1 else None,
         args=getattr(comarl, f"{name}Config")(**settings),
     )
+
+
+def _rows(path):
+    return [json.loads(line) for line in path.read_text().splitlines()]
 
 
 def _weights(trainer):
@@ -63,13 +74,22 @@ def _weights(trainer):
         ("MAGRPO", {"lora_r": 4, "beta": 0.05}),  # LoRA adapters, the reference = adapters off
         ("MAGRPO", {"lora_r": 4, "lora_shared_base": True}),  # one base, an adapter per agent
         ("MADPO", {"candidates_from": "current", "pair_selection": "random"}),  # + the pair stream
+        # one model, one optimizer and one reference for both agents; PPO's old log-probs
+        ("MAGRPO", {"share_weights": True, "beta": 0.05, "num_iterations": 2}),
+        # a critic model, its optimizer and shuffle stream; two turns
+        ("MAAC", {"num_turns": 2, "num_generations": 2}),
+        # sampled evaluations between the steps; turns of 2 steps, the learner's schedule decaying over its own
+        ("MAGRPO", {"alternate_agents_every": 2, "lr_scheduler_type": "linear", "eval_interval": 1}),
     ],
 )
 def test_resumed_run_equals_the_unbroken_run(qwen_bpe, tmp_path, name, overrides):
+    overrides = {**overrides, "eval_do_sample": True} if overrides.get("eval_interval") else overrides
     unbroken = _trainer(name, qwen_bpe, tmp_path / "a", LengthReward(), **overrides)
     expected = unbroken.train()
 
-    stopped = _trainer(name, qwen_bpe, tmp_path / "b", LengthReward(crash_at=4), **overrides)
+    # one reward call per turn and one per evaluation: the run dies in step 4
+    crash_at = 3 * (overrides.get("num_turns", 1) + bool(overrides.get("eval_interval"))) + 1
+    stopped = _trainer(name, qwen_bpe, tmp_path / "b", LengthReward(crash_at=crash_at), **overrides)
     with pytest.raises(Exception, match="the machine went away"):
         stopped.train()  # steps 1-3 done, checkpoint at step 2, the run dies in step 4
     assert [p.name for p in (tmp_path / "b" / "checkpoints").iterdir()] == ["step_2"]
@@ -78,13 +98,27 @@ def test_resumed_run_equals_the_unbroken_run(qwen_bpe, tmp_path, name, overrides
     metrics = resumed.train(resume_from_checkpoint=True)
     assert all(torch.equal(x, y) for x, y in zip(_weights(unbroken), _weights(resumed)))
     for key in ("reward", "agent_0/loss", "agent_1/grad_norm", "agent_1/lr"):
-        assert metrics[key] == expected[key], key
+        if key in expected:  # (alternating agents: agent 0 learns at step 5)
+            assert metrics[key] == expected[key], key
     if name == "IPPO":
         for head_a, head_b in zip(unbroken.value_heads, resumed.value_heads):
             assert torch.equal(head_a.linear.weight, head_b.linear.weight)
-    # The log holds each step once: the row of step 3 written before the crash was redone, not repeated.
-    steps = [json.loads(line)["step"] for line in (tmp_path / "b" / "metrics.jsonl").read_text().splitlines()]
-    assert steps == [1, 2, 3, 4, 5]
+    if name == "MAAC":
+        critics = unbroken.critics[0].parameters(), resumed.critics[0].parameters()
+        assert all(torch.equal(x, y) for x, y in zip(*critics))
+    # The log holds each step once: the row of step 3 written before the crash was redone, not repeated; every row
+    # and every logged completion equals the unbroken run's.
+    logs = [
+        [{k: v for k, v in row.items() if not k.startswith(("time/", "completions_per_s"))} for row in rows]
+        for rows in (_rows(tmp_path / run / "metrics.jsonl") for run in ("a", "b"))
+    ]
+    assert [row["step"] for row in logs[1] if "reward" in row] == [1, 2, 3, 4, 5]
+    assert logs[0] == logs[1]
+    assert _rows(tmp_path / "a" / "samples.jsonl") == _rows(tmp_path / "b" / "samples.jsonl")
+    if "lora_r" in overrides:  # a LoRA agent's checkpoint keeps its adapters, not the frozen base
+        saved = torch.load(tmp_path / "b" / "checkpoints" / "step_2" / "process_0.pt", weights_only=False)
+        names = [name for part in saved["trainer"]["agents"].values() for name in part["model"]]
+        assert names and all(".lora_" in name for name in names)
     # save_total_limit=2 keeps the newest two
     assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir()) == ["step_2", "step_4"]
 
@@ -122,10 +156,58 @@ def test_resume_errors_name_the_problem(qwen_bpe, tmp_path):
         MAGRPOConfig(save_steps=2)
 
 
+def test_resume_with_settings_that_shape_the_state_stops_naming_them(qwen_bpe, llama_word, tmp_path):
+    """A resumed run that would load the state into another model, another kind of model or another data order
+    stops with the setting to restore (before: torch's key errors, or silently wrong weights and data)."""
+    _trainer("MAGRPO", qwen_bpe, tmp_path, LengthReward(), max_steps=2, lora_r=4).train()
+    changes = [
+        (
+            {"lora_r": 8},
+            r"the checkpoint was written with lora_r=4, this run has lora_r=8; resume with the same lora_r",
+        ),
+        ({"lora_r": 4, "share_weights": True}, r"share_weights=False, this run has share_weights=True"),
+        ({"lora_r": 4, "prompts_per_step": 1}, r"prompts_per_step=2, this run has prompts_per_step=1"),
+    ]
+    for change, message in changes:
+        with pytest.raises(ConfigError, match=message):
+            _trainer("MAGRPO", qwen_bpe, tmp_path, LengthReward(), max_steps=3, **change).train(True)
+    other_model = MAGRPOTrainer(
+        agents=[qwen_bpe, llama_word],
+        train_dataset=DATA,
+        reward_func=LengthReward(),
+        args=MAGRPOConfig(
+            output_dir=str(tmp_path), lora_r=4, prompts_per_step=2, seed=11, progress_bar=False
+        ),
+    )
+    with pytest.raises(
+        ConfigError, match=r"the checkpoint's agent 1 is '.*qwen2-bpe', this run's '.*llama-word'"
+    ):
+        other_model.train(resume_from_checkpoint=True)
+    # A checkpoint that did not record its settings: the weights that do not fit are named, not torch's error.
+    state_file = tmp_path / "checkpoints" / "step_2" / "trainer_state.json"
+    state_file.write_text(
+        json.dumps({k: v for k, v in json.loads(state_file.read_text()).items() if k != "settings"})
+    )
+    with pytest.raises(
+        ConfigError,
+        match=r"agent 0's weights in the checkpoint do not fit its model here \(\d+ differ, e.g. '.*lora_.*'\); "
+        r"resume with the same model \(model= / agents=\) and LoRA settings",
+    ):
+        _trainer("MAGRPO", qwen_bpe, tmp_path, LengthReward(), max_steps=3, lora_r=8).train(True)
+    # Value heads in the checkpoint, critic models in this run
+    _trainer("IAC", qwen_bpe, tmp_path / "iac", LengthReward(), max_steps=2).train()
+    critics = _trainer("IAC", qwen_bpe, tmp_path / "iac", LengthReward(), max_steps=3, critic_model=qwen_bpe)
+    with pytest.raises(
+        ConfigError,
+        match=r"the checkpoint holds value_heads \[0, 1\], this process \[\]; resume with the same critic settings",
+    ):
+        critics.train(resume_from_checkpoint=True)
+
+
 class _Stub:
     """The little of a trainer that save_checkpoint reads: one process (no data shards), a step and a state."""
 
-    processes, data, num_agents = None, None, 1
+    processes, data, num_agents, team, args = None, None, 1, (), MAGRPOConfig()
 
     def __init__(self, step):
         self.step = step
@@ -151,6 +233,42 @@ def test_a_new_checkpoint_replaces_those_an_earlier_run_left_past_it(tmp_path, m
     # step_4 and step_6 belong to the replaced run: --resume must not jump back to them
     assert checkpoint.completed_checkpoints(tmp_path) == [directory]
     assert torch.load(directory / "process_0.pt", weights_only=False)["trainer"] == {"step": 2}
+
+
+def test_a_save_cut_short_leaves_the_previous_checkpoint_and_is_cleared_later(tmp_path, monkeypatch):
+    from comarl import checkpoint
+
+    checkpoint.save_checkpoint(_Stub(2), tmp_path, keep=2)
+    real_save = torch.save
+
+    def cut_short(obj, path):  # the process dies halfway through writing its part
+        real_save(obj, path)
+        raise OSError("the machine went away")
+
+    monkeypatch.setattr(checkpoint.torch, "save", cut_short)
+    with pytest.raises(OSError):
+        checkpoint.save_checkpoint(_Stub(4), tmp_path, keep=2)
+    monkeypatch.setattr(checkpoint.torch, "save", real_save)
+    previous = tmp_path / "checkpoints" / "step_2"
+    assert checkpoint.completed_checkpoints(tmp_path) == [previous]
+    assert torch.load(previous / "process_0.pt", weights_only=False)["trainer"] == {"step": 2}
+    # The run resumed from step 2 saves every 3 steps now: step 4's remains go with its next save, not stay for good.
+    checkpoint.save_checkpoint(_Stub(3), tmp_path, keep=2)
+    assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2", "step_3"]
+
+
+def test_a_new_run_that_stops_before_its_first_save_leaves_no_earlier_checkpoint(qwen_bpe, tmp_path):
+    """A run started without resume replaces the folder's checkpoints at once: resuming after it stopped must not
+    continue the earlier run's weights under the new run's logs."""
+    _trainer("MAGRPO", qwen_bpe, tmp_path, LengthReward(), max_steps=2).train()
+    assert [p.name for p in (tmp_path / "checkpoints").iterdir()] == ["step_2"]
+    stopped = _trainer("MAGRPO", qwen_bpe, tmp_path, LengthReward(crash_at=1), max_steps=2)
+    with pytest.raises(RuntimeError, match="the machine went away"):
+        stopped.train()  # dies in its first step, before any save
+    assert list((tmp_path / "checkpoints").iterdir()) == []
+    again = _trainer("MAGRPO", qwen_bpe, tmp_path, LengthReward(), max_steps=2)
+    with pytest.raises(ConfigError, match=r"resume_from_checkpoint=True: no finished checkpoint in "):
+        again.train(resume_from_checkpoint=True)
 
 
 def test_truncate_log_drops_a_row_cut_off_by_a_crash(tmp_path):

@@ -8,16 +8,20 @@ A checkpoint is a folder ``output_dir/checkpoints/step_<N>/``:
   parallelism, a state every data shard holds whole and equal (unsharded weights, their AdamW
   state, critics, MADPO's candidates) is written once, by the first shard; the others' parts say
   :data:`IN_FIRST_SHARD` there and name that part in ``first_shard``, and resume reads it from it;
-- ``trainer_state.json`` — the step, the trainer, the team size and the number of processes. It is
-  written last, through a temporary file and a rename, so a folder without it is an unfinished
-  checkpoint and is never loaded. It is removed first when a folder is rewritten or deleted.
+- ``trainer_state.json`` — the step, the trainer, the team size, the number of processes, the agents'
+  sources and the :data:`RESUME_SETTINGS`, which a resumed run must share. It is written last, through a
+  temporary file and a rename, so a folder without it is an unfinished checkpoint and is never loaded. It
+  is removed first when a folder is rewritten or deleted.
 
-Saving step N also deletes the checkpoints past N (an earlier run's in the same folder, which this run
-replaces) and keeps the newest ``save_total_limit``, step N among them.
+A run that does not resume deletes the folder's checkpoints when it starts (:func:`remove_checkpoints`).
+Saving step N also deletes the checkpoints past N (left when this run resumed from an older one, which it
+replaces) and the unfinished ones (saves cut short), and keeps the newest ``save_total_limit``, step N
+among them.
 
 The data order needs no state: each epoch's permutation comes from ``seed + epoch``, and a resumed
-run skips the steps already taken. The reference models (``beta > 0``) are rebuilt from the
-agents' sources, as at the start of the run.
+run skips the steps already taken. The reference models (``beta > 0``) and a LoRA agent's frozen base
+(of which a checkpoint keeps the adapters alone) are rebuilt from the agents' sources, as at the start
+of the run: a resumed run must load the same models.
 """
 
 from __future__ import annotations
@@ -38,6 +42,25 @@ CHECKPOINTS = "checkpoints"
 # Stands in a data shard's part for a state the first data shard's part holds (D equal copies would take D times
 # the disk: 36 GB per copy for a 3 B agent's fp32 weights and AdamW moments).
 IN_FIRST_SHARD = "comarl: in the first data shard's part"
+# Settings a resumed run must keep: they shape the saved state (one model for every agent, LoRA adapters over a base
+# that is not saved, the critics, MADPO's candidates of the initial team, shares of weights or of AdamW's state) or
+# the data order that the saved step counts into (each epoch's permutation, the items of a step). Others (max_steps,
+# logging, evaluation) may change. A config without one of them (MAGRPO's has no critic_type) is not checked for it.
+RESUME_SETTINGS = (
+    "share_weights",
+    "lora_r",
+    "lora_alpha",
+    "lora_target_modules",
+    "lora_shared_base",
+    "centralized_critic",
+    "critic_type",
+    "candidates_from",
+    "shard_weights",
+    "shard_optimizer",
+    "seed",
+    "shuffle",
+    "prompts_per_step",
+)
 
 
 def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
@@ -46,11 +69,15 @@ def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
 
 def completed_checkpoints(output_dir: str | Path) -> list[Path]:
     """Finished checkpoints under ``output_dir/checkpoints``, oldest first."""
+    return [p for p in _checkpoint_folders(output_dir) if (p / STATE_FILE).is_file()]
+
+
+def _checkpoint_folders(output_dir: str | Path) -> list[Path]:
+    """Checkpoint folders under ``output_dir/checkpoints``, finished or not, oldest first."""
     root = Path(output_dir) / CHECKPOINTS
     if not root.is_dir():
         return []
-    done = [p for p in root.iterdir() if p.name.startswith("step_") and (p / STATE_FILE).is_file()]
-    return sorted(done, key=_step)
+    return sorted((p for p in root.iterdir() if p.name.startswith("step_")), key=_step)
 
 
 def rng_state() -> dict[str, Any]:
@@ -106,16 +133,19 @@ def save_checkpoint(trainer: Any, output_dir: str | Path, keep: int) -> Path:
             "trainer": type(trainer).__name__,
             "num_agents": trainer.num_agents,
             "processes": 1 if parallel is None else parallel.world_size,
+            "agents": [_source(agent.source) for agent in trainer.team],
+            "settings": _settings(trainer.args),
         }
         temporary = directory / (STATE_FILE + ".tmp")
         temporary.write_text(json.dumps(state, indent=1))
         os.replace(temporary, directory / STATE_FILE)
         # Checkpoints past this step were left by an earlier run in this folder (one that went further, or the
         # run this one resumed from an older checkpoint): this run replaces them, and resuming must not jump
-        # back to them. Of the rest, the newest `keep` stay, this one among them.
+        # back to them. Unfinished ones are saves cut short, whose parts would otherwise stay on disk for good (no
+        # later save counts them). Of the rest, the newest `keep` stay, this one among them.
         older = []
-        for other in completed_checkpoints(output_dir):
-            if _step(other) < trainer.step:
+        for other in _checkpoint_folders(output_dir):
+            if (other / STATE_FILE).is_file() and _step(other) < trainer.step:
                 older.append(other)
             elif other != directory:
                 _remove(other)
@@ -126,6 +156,19 @@ def save_checkpoint(trainer: Any, output_dir: str | Path, keep: int) -> Path:
     return directory
 
 
+def _source(source: str | None) -> str | None:
+    """An agent's source as a checkpoint records it: a local folder by its absolute path, a hub id as it is; None
+    for a model object built without one (its ``_name_or_path`` is ``""``)."""
+    if not source:
+        return None
+    return str(Path(source).resolve()) if Path(source).exists() else source
+
+
+def _settings(args: Any) -> dict[str, Any]:
+    """The :data:`RESUME_SETTINGS` of ``args`` that its config has, as JSON gives them back (lists, not tuples)."""
+    return json.loads(json.dumps({key: getattr(args, key) for key in RESUME_SETTINGS if hasattr(args, key)}))
+
+
 def _step(directory: Path) -> int:
     return int(directory.name.removeprefix("step_"))
 
@@ -133,6 +176,12 @@ def _step(directory: Path) -> int:
 def _unmark(directory: Path) -> None:
     """Make ``directory`` an unfinished checkpoint, which is never loaded."""
     (directory / STATE_FILE).unlink(missing_ok=True)
+
+
+def remove_checkpoints(output_dir: str | Path) -> None:
+    """Delete every checkpoint folder under ``output_dir/checkpoints``, finished or not (a new run's start)."""
+    for directory in _checkpoint_folders(output_dir):
+        _remove(directory)
 
 
 def _remove(directory: Path) -> None:
@@ -158,6 +207,23 @@ def load_checkpoint(trainer: Any, directory: str | Path) -> int:
             raise ConfigError(
                 f"resume_from_checkpoint={str(directory)!r}: the checkpoint has {key}={state[key]!r}, this run "
                 f"{key}={value!r}; resume with the same trainer, team and launch"
+            )
+    # (Checkpoints written before sources and settings were recorded are not checked for them.)
+    for i, (saved_source, agent) in enumerate(zip(state.get("agents", []), trainer.team)):
+        source = _source(agent.source)
+        if None not in (saved_source, source) and saved_source != source:
+            raise ConfigError(
+                f"resume_from_checkpoint={str(directory)!r}: the checkpoint's agent {i} is {saved_source!r}, this "
+                f"run's {source!r}; resume with the same models (model= / agents=): the KL reference and a LoRA "
+                "agent's base are loaded from them"
+            )
+    settings = _settings(trainer.args)
+    for key, value in state.get("settings", {}).items():
+        if key in settings and settings[key] != value:
+            raise ConfigError(
+                f"resume_from_checkpoint={str(directory)!r}: the checkpoint was written with {key}={value!r}, this "
+                f"run has {key}={settings[key]!r}; resume with the same {key} (it shapes the saved state or the data "
+                "order), or start a new run from the saved agents"
             )
     rank = 0 if parallel is None else parallel.rank
     # mmap: the state is paged in as it is copied onto the agents' devices, not read whole into host memory first.

@@ -58,6 +58,7 @@ from comarl.trainers.magrpo import (
     adamw,
     is_sharded,
     load_optimizer_state,
+    load_weights,
     lr_lambda,
     optimizer_state,
     rollout_metrics,
@@ -561,11 +562,24 @@ class ActorCriticTrainer(MAGRPOTrainer):
         return state
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        # Before anything loads: a run with critic models where the checkpoint has value heads (or the other way
+        # round) would fail inside torch on the agents' optimizers, which hold a head's parameter group.
+        held = {
+            "value_heads": [i for i, head in enumerate(self.value_heads or []) if head is not None],
+            "critics": [c for c, critic in enumerate(self.critics) if critic is not None],
+        }
+        for key, here in held.items():
+            if sorted(state[key]) != here:
+                raise ConfigError(
+                    f"resume_from_checkpoint: the checkpoint holds {key} {sorted(state[key])}, this process {here}; "
+                    "resume with the same critic settings (critic_model, centralized_critic)"
+                )
         super().load_checkpoint_state(state)
+        fix = "the same critic settings (critic_model, centralized_critic)"
         for i, head_state in state["value_heads"].items():
-            self.value_heads[i].load_state_dict(head_state)
+            load_weights(self.value_heads[i], head_state, f"agent {i}'s value head", fix)
         for c, part in state["critics"].items():
-            self.critics[c].load_state_dict(part["model"])
+            load_weights(self.critics[c], part["model"], f"critic {c}", fix)
             load_optimizer_state(self.critic_optimizers[c], part["optimizer"])
         for g, saved in zip(
             self.actor_shuffles + self.critic_shuffles, state["actor_shuffles"] + state["critic_shuffles"]

@@ -28,6 +28,7 @@ import torch
 
 from comarl.agents import (
     Agent,
+    SharedBaseAdapter,
     Team,
     WithoutAdapters,
     add_lora,
@@ -427,7 +428,13 @@ class MAGRPOTrainer:
         the run then continues from that step exactly as if it had never stopped (same weights, optimizer
         moments, schedules, random streams and data order).
         """
-        from comarl.checkpoint import completed_checkpoints, load_checkpoint, save_checkpoint, truncate_log
+        from comarl.checkpoint import (
+            completed_checkpoints,
+            load_checkpoint,
+            remove_checkpoints,
+            save_checkpoint,
+            truncate_log,
+        )
         from comarl.tracking import METRICS_FILE, SAMPLES_FILE, RunLogger
 
         args = self.args
@@ -444,6 +451,10 @@ class MAGRPOTrainer:
             resume_from_checkpoint = found[-1]
         if resume_from_checkpoint:
             self.step = load_checkpoint(self, resume_from_checkpoint)
+        elif run_dir is not None and writer:
+            # A new run replaces an earlier run's checkpoints at once: one that stopped before its first save
+            # would otherwise leave them there for a later resume to pick up as its own.
+            remove_checkpoints(run_dir)
         if run_dir is not None and writer:
             # Rows a stopped run wrote after its checkpoint are redone; a new run into a folder that holds an
             # earlier run's logs replaces them (step 0), as it replaces that run's checkpoints past its own.
@@ -480,6 +491,9 @@ class MAGRPOTrainer:
                     save_checkpoint(self, run_dir, args.save_total_limit)
         if run_dir is not None:
             self.save_model(run_dir / "agents")
+            if self.processes is not None:
+                # Every process writes its own agents: none returns (and none reads run_dir/agents) before all have.
+                self.processes.barrier()
         return last
 
     def training_step(self, items: Sequence[Any]) -> tuple[dict[str, float], list[dict[str, Any]]]:
@@ -812,7 +826,7 @@ class MAGRPOTrainer:
         return {
             "agents": {
                 i: {
-                    "model": self.once(self.team[i].model.state_dict(), sharded),
+                    "model": self.once(saved_weights(self.team[i].model), sharded),
                     "optimizer": self.once(
                         optimizer_state(self.optimizers[i]), sharded or is_sharded(self.optimizers[i])
                     ),
@@ -849,7 +863,12 @@ class MAGRPOTrainer:
                     "new run from the saved agents (save_model's agent_i folders)"
                 )
         for i, part in state["agents"].items():
-            self.team[i].model.load_state_dict(part["model"])
+            load_weights(
+                self.team[i].model,
+                part["model"],
+                f"agent {i}",
+                "the same model (model= / agents=) and LoRA settings (lora_r, lora_target_modules)",
+            )
             load_optimizer_state(self.optimizers[i], part["optimizer"])
             self.schedulers[i].load_state_dict(part["scheduler"])
             self.team[i].generator.set_state(part["sampling"])
@@ -1186,6 +1205,37 @@ def adamw(
     return ZeroRedundancyOptimizer(
         params, optimizer_class=torch.optim.AdamW, process_group=shard_over.group, **hyper
     )
+
+
+def saved_weights(model: Any) -> dict[str, Any]:
+    """What a checkpoint keeps of an agent's ``model``: its state dict; of a LoRA model, its adapters alone (the
+    weights it trains). The base is frozen and is loaded from the agent's source again on resume, as the KL
+    reference is: a 3 B agent's checkpoint is then megabytes, not its 12 GB of fp32 weights."""
+    state = model.state_dict()
+    if not has_adapters(model):
+        return state
+    trained = {name for name, p in model.named_parameters() if p.requires_grad}
+    return {name: value for name, value in state.items() if name in trained}
+
+
+def load_weights(model: Any, state: dict[str, Any], owner: str, fix: str) -> None:
+    """Load ``state`` (:func:`saved_weights`) into ``model``; stop naming ``owner`` and ``fix`` when it was saved
+    from a model of other names or shapes (another model, other LoRA settings) rather than fail inside torch."""
+    own = saved_weights(model)
+    if has_adapters(model) and own.keys() != state.keys():
+        own = model.state_dict()  # a checkpoint that kept a LoRA model's base too
+    wrong = sorted(own.keys() ^ state.keys()) or [
+        name for name, value in own.items() if tuple(value.shape) != tuple(state[name].shape)
+    ]
+    if wrong:
+        raise ConfigError(
+            f"resume_from_checkpoint: {owner}'s weights in the checkpoint do not fit its model here ({len(wrong)} "
+            f"differ, e.g. {wrong[0]!r}); resume with {fix}"
+        )
+    if has_adapters(model) and not isinstance(model, SharedBaseAdapter):
+        model.load_state_dict(state, strict=False)  # the base, not in state, stays as its source loaded it
+    else:
+        model.load_state_dict(state)
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
