@@ -137,3 +137,14 @@ def test_agents_sharing_one_model_must_agree_on_the_learning_rate(qwen_bpe):
         Team([first, second], share_weights=True)
     second.learning_rate = 1e-3
     assert Team([first, second], share_weights=True).share_weights
+
+
+def test_model_kwargs_for_a_model_object_are_refused_not_ignored(qwen_bpe):
+    model = AutoModelForCausalLM.from_pretrained(qwen_bpe)
+    with pytest.raises(
+        ValueError,
+        match=r"Agent.from_pretrained: model_kwargs=\{'attn_implementation': 'eager'\} apply to a model loaded from "
+        r"a hub id or path, and this one is a model object",
+    ):
+        Agent.from_pretrained(model, qwen_bpe, model_kwargs={"attn_implementation": "eager"})
+    assert Agent.from_pretrained(model, qwen_bpe, model_kwargs={}).model is model

@@ -156,6 +156,12 @@ class Agent:
                 model = AutoModelForCausalLM.from_pretrained(str(source), dtype=torch.float32, **kwargs)
             name = str(source)
         else:
+            if model_kwargs:
+                raise ValueError(
+                    f"Agent.from_pretrained: model_kwargs={model_kwargs!r} apply to a model loaded from a hub id or "
+                    "path, and this one is a model object, used as it is; pass its hub id or path instead, or load it "
+                    "with those settings yourself (in a trainer: model_config['model_kwargs'])"
+                )
             model, name = source, getattr(getattr(source, "config", None), "_name_or_path", None)
         hub: dict[str, Any] = {}
         if tokenizer is None:
