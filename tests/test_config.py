@@ -405,7 +405,7 @@ def test_cli_bad_values_are_one_line_errors_with_exit_2(spec_path, capsys):
     for override, message in [
         ("args.top_p=abc", "top_p='abc': must be a number"),
         ("args.max_grad_norm=-1", "max_grad_norm=-1: must be a finite number > 0 (or None for no clipping)"),
-        ("num_agents=two", "num_agents='two': must be an integer"),
+        ("num_agents=two", "num_agents='two': must be an integer or null"),
     ]:
         assert main(["train", str(spec_path), "--set", override]) == 2
         assert capsys.readouterr().err == f"comarl: error: {message}\n"
@@ -422,6 +422,16 @@ def test_run_spec_validation():
         RunSpec(trainer="ppo")
     with pytest.raises(ConfigError, match=r"task='function' needs dataset"):
         RunSpec(task="function")
+    # The team is one agent per entry of agents:; a num_agents that says otherwise was ignored before.
+    code = {"task": "code", "agents": ["a", "b"]}
+    with pytest.raises(
+        ConfigError,
+        match=r"^num_agents=3, but agents: names 2 models; remove num_agents \(the team is one agent",
+    ):
+        RunSpec(**code, num_agents=3)
+    assert RunSpec(**code).num_agents == RunSpec(**code, num_agents=2).num_agents == 2
+    assert RunSpec(task="code", agents=["a"]).num_agents == 1
+    assert RunSpec(task="code", model="m").num_agents == 2
 
 
 # ----------------------------------------------------------------------------- imports stay light

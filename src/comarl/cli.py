@@ -214,8 +214,7 @@ def _train(spec: RunSpec, resume: bool = False) -> int:
 
         task = task_protocol(spec.task)
         source = spec.source or task.default_source
-        num_agents = len(spec.agents) if spec.agents else spec.num_agents
-        env = task.make_env(num_agents, args.num_turns)  # this run's: closed when it ends
+        env = task.make_env(spec.num_agents, args.num_turns)  # this run's: closed when it ends
         trainer = trainer_cls(
             model=spec.model,
             agents=spec.agents,

@@ -1142,7 +1142,7 @@ class RunSpec:
     task: str = "demo"
     model: str | None = None
     agents: list[str] | None = None
-    num_agents: int = 2
+    num_agents: int | None = None  # default: len(agents), or 2 with one model
     dataset: str | None = None
     eval_dataset: str | None = None
     reward_funcs: list[str] | None = None
@@ -1177,15 +1177,22 @@ class RunSpec:
                 f"args.{unknown[0]}: unknown {self.trainer} field (see `comarl fields {self.trainer}`)"
             )
         check_field_types(self)
-        if self.num_agents < 1:
+        if self.num_agents is not None and self.num_agents < 1:
             raise ConfigError(f"num_agents={self.num_agents}: must be an integer >= 1")
+        if self.agents and self.num_agents is not None and self.num_agents != len(self.agents):
+            raise ConfigError(
+                f"num_agents={self.num_agents}, but agents: names {len(self.agents)} models; remove num_agents (the "
+                "team is one agent per entry of agents:) or make them agree"
+            )
         self._refuse_unused_fields()
+        if self.num_agents is None:
+            self.num_agents = len(self.agents) if self.agents else 2
         config_class(self.trainer)(**self.args)  # validates args now, with the field names in the errors
 
     def _refuse_unused_fields(self) -> None:
         """A field the task does not read is a mistake, not something to ignore silently."""
         if self.task == "demo":
-            if self.num_agents != 2:
+            if self.num_agents not in (None, 2):
                 raise ConfigError(
                     f"num_agents={self.num_agents}: task='demo' builds its own two agents; remove it"
                 )
