@@ -167,6 +167,16 @@ def test_resume_with_settings_that_shape_the_state_stops_naming_them(qwen_bpe, l
         ),
         ({"lora_r": 4, "share_weights": True}, r"share_weights=False, this run has share_weights=True"),
         ({"lora_r": 4, "prompts_per_step": 1}, r"prompts_per_step=2, this run has prompts_per_step=1"),
+        # The saved optimizer and schedule would put the old rate back: a changed one was silently ignored.
+        (
+            {"lora_r": 4, "learning_rate": 1e-4},
+            r"^resume_from_checkpoint: agent 0's optimizer was saved with lr=0.001, this run has 0.0001; resume "
+            r"with the same learning_rate \(critic_learning_rate, reward_learning_rate, agent_settings\)",
+        ),
+        (
+            {"lora_r": 4, "weight_decay": 0.1},
+            r"agent 0's optimizer was saved with weight_decay=0.0, this run has 0.1",
+        ),
     ]
     for change, message in changes:
         with pytest.raises(ConfigError, match=message):
@@ -202,6 +212,11 @@ def test_resume_with_settings_that_shape_the_state_stops_naming_them(qwen_bpe, l
         match=r"the checkpoint holds value_heads \[0, 1\], this process \[\]; resume with the same critic settings",
     ):
         critics.train(resume_from_checkpoint=True)
+    faster_heads = _trainer(
+        "IAC", qwen_bpe, tmp_path / "iac", LengthReward(), max_steps=3, critic_learning_rate=0.5
+    )
+    with pytest.raises(ConfigError, match=r"agent 0's optimizer was saved with lr=0.0001, this run has 0.5"):
+        faster_heads.train(resume_from_checkpoint=True)
 
 
 class _Stub:

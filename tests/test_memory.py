@@ -113,6 +113,23 @@ def test_a_team_that_fits_is_told_its_numbers_when_training_starts(qwen_bpe, cap
     assert trainer.memory_summary in capsys.readouterr().out
 
 
+def test_running_out_of_memory_in_a_step_names_the_fields_to_turn_down(qwen_bpe, monkeypatch):
+    """The check counts static memory only: a step whose activations do not fit gets torch's error with the fixes."""
+    trainer = MAGRPOTrainer(model=qwen_bpe, num_agents=2, train_dataset=DATA, reward_func=reward, args=args())
+
+    def too_big(items):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
+
+    monkeypatch.setattr(trainer, "training_step", too_big)
+    with pytest.raises(torch.OutOfMemoryError) as raised:
+        trainer.train()
+    assert str(raised.value).startswith(
+        "CUDA out of memory. Tried to allocate 20.00 GiB\ncomarl: a training step ran out of device memory "
+    )
+    for field in ("micro_batch_tokens", "prompts_per_step x num_generations", "gradient_checkpointing=True"):
+        assert field in str(raised.value)
+
+
 def test_check_fits_names_the_device_the_numbers_and_the_fixes():
     plan = [
         model_memory("agent 0", "cuda:0", ModelSize(GIB, GIB), reference=True),  # 20 GiB

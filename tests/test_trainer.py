@@ -417,6 +417,16 @@ def test_evaluate_and_save_model(qwen_bpe, tmp_path):
         AutoTokenizer.from_pretrained(run / "agents" / f"agent_{i}")
         trained = trainer.team[i].model.state_dict()
         assert all(torch.equal(v, trained[k]) for k, v in model.state_dict().items())
+    # A one-agent run into the same folder leaves only its own agent there (and one_more/ is not comarl's).
+    (run / "agents" / "one_more").mkdir()
+    MAGRPOTrainer(
+        model=qwen_bpe,
+        num_agents=1,
+        train_dataset=DATA,
+        reward_func=lambda a: [len(x) for x in a],
+        args=small_args(max_steps=1, output_dir=str(run)),
+    ).train()
+    assert sorted(p.name for p in (run / "agents").iterdir()) == ["agent_0", "one_more"]
 
 
 def test_seeded_runs_are_reproducible(qwen_bpe):

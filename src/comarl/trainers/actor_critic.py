@@ -580,7 +580,7 @@ class ActorCriticTrainer(MAGRPOTrainer):
             load_weights(self.value_heads[i], head_state, f"agent {i}'s value head", fix)
         for c, part in state["critics"].items():
             load_weights(self.critics[c], part["model"], f"critic {c}", fix)
-            load_optimizer_state(self.critic_optimizers[c], part["optimizer"])
+            load_optimizer_state(self.critic_optimizers[c], part["optimizer"], f"critic {c}")
         for g, saved in zip(
             self.actor_shuffles + self.critic_shuffles, state["actor_shuffles"] + state["critic_shuffles"]
         ):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import copy
 import math
 import random
+import shutil
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -474,7 +475,10 @@ class MAGRPOTrainer:
                 logger.print(self.memory_summary)
             for items in self._batches():
                 self.step += 1
-                metrics, samples = self.training_step(items)
+                try:
+                    metrics, samples = self.training_step(items)
+                except torch.OutOfMemoryError as error:
+                    raise torch.OutOfMemoryError(f"{error}\n{OUT_OF_MEMORY_FIXES}") from error
                 last = metrics
                 logger.advance(self.step)
                 if self.step % args.logging_steps == 0 or self.step == self.total_steps:
@@ -490,6 +494,11 @@ class MAGRPOTrainer:
                 if args.save_steps and self.step % args.save_steps == 0 and run_dir is not None:
                     save_checkpoint(self, run_dir, args.save_total_limit)
         if run_dir is not None:
+            if writer:
+                # agent_2/ of an earlier three-agent team in this folder is not one of this team's agents.
+                for stale in (run_dir / "agents").glob("agent_*"):
+                    if stale.name.removeprefix("agent_") not in {str(i) for i in range(self.num_agents)}:
+                        shutil.rmtree(stale, ignore_errors=True)
             self.save_model(run_dir / "agents")
             if self.processes is not None:
                 # Every process writes its own agents: none returns (and none reads run_dir/agents) before all have.
@@ -869,7 +878,7 @@ class MAGRPOTrainer:
                 f"agent {i}",
                 "the same model (model= / agents=) and LoRA settings (lora_r, lora_target_modules)",
             )
-            load_optimizer_state(self.optimizers[i], part["optimizer"])
+            load_optimizer_state(self.optimizers[i], part["optimizer"], f"agent {i}")
             self.schedulers[i].load_state_dict(part["scheduler"])
             self.team[i].generator.set_state(part["sampling"])
         self.joint_generator.set_state(state["joint_generator"])
@@ -1258,8 +1267,42 @@ def is_sharded(optimizer: torch.optim.Optimizer) -> bool:
     return isinstance(optimizer, ZeroRedundancyOptimizer)
 
 
-def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any]) -> None:
-    """Restore what :func:`optimizer_state` returned."""
+# Added to a device's out-of-memory error in a training step: what to turn down, by field.
+OUT_OF_MEMORY_FIXES = (
+    "comarl: a training step ran out of device memory (activations and generation come on top of the static memory "
+    "that check_memory counted). Lower micro_batch_tokens (the update's activations grow with it), prompts_per_step x "
+    "num_generations or max_new_tokens (the rows and length generated at once), or set gradient_checkpointing=True, "
+    "bf16=True or lora_r; see docs/memory.md"
+)
+
+
+# AdamW settings a checkpoint's optimizer carries, by the config fields that set them. Loading the state puts the
+# saved ones back (and the schedule its saved base rates), so a resume that changed them would silently keep the old.
+OPTIMIZER_SETTINGS = {
+    "initial_lr": "learning_rate (critic_learning_rate, reward_learning_rate, agent_settings)",
+    "weight_decay": "weight_decay",
+    "betas": "adam_beta1, adam_beta2",
+    "eps": "adam_epsilon",
+}
+
+
+def load_optimizer_state(optimizer: torch.optim.Optimizer, state: dict[str, Any], owner: str) -> None:
+    """Restore what :func:`optimizer_state` returned into ``owner``'s optimizer; stop with a ConfigError when its
+    settings (:data:`OPTIMIZER_SETTINGS`) differ from the saved ones."""
+    for here, saved in zip(optimizer.param_groups, state["param_groups"]):
+        for key, fields in OPTIMIZER_SETTINGS.items():
+            if key == "initial_lr" and (key in here) != (key in saved):
+                continue  # (a schedule's base rate against a scheduled rate: not comparable)
+            # A group without a schedule has no initial_lr: its lr is the configured one throughout.
+            mine, theirs = here.get(key, here["lr"]), saved.get(key, saved["lr"])
+            if (list(mine) if isinstance(mine, (tuple, list)) else mine) != (
+                list(theirs) if isinstance(theirs, (tuple, list)) else theirs
+            ):
+                raise ConfigError(
+                    f"resume_from_checkpoint: {owner}'s optimizer was saved with {key.removeprefix('initial_')}="
+                    f"{theirs!r}, this run has {mine!r}; resume with the same {fields}, or start a new run from the "
+                    "saved agents to change them"
+                )
     if is_sharded(optimizer):
         optimizer.optim.load_state_dict(state)
         # The wrapper hands its groups' settings to its share at every step: they must be the saved ones.

@@ -621,7 +621,7 @@ class MARLHFTrainer(MAGRPOTrainer):
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         super().load_checkpoint_state(state)
         self.reward_model.load_state_dict(state["reward_model"])
-        load_optimizer_state(self.reward_optimizer, state["reward_optimizer"])
+        load_optimizer_state(self.reward_optimizer, state["reward_optimizer"], "the reward model")
         self.reward_model_fitted = state["reward_model_fitted"]
         self.pair_generator.set_state(state["pairs"])
         self.order_generator.set_state(state["pair_order"])
