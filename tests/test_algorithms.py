@@ -203,6 +203,19 @@ def test_cross_returns_all_combinations_of_two_agents():
     assert_close(cross_returns(rewards, joint[:, 1], 2), _t([2.0, 3.0]))
 
 
+def test_cross_returns_of_equal_rewards_are_that_reward_exactly():
+    """A sampled cross subset credits completions unequally often: completion 0 below is in 3 joint actions,
+    completion 1 in 1. Every joint action scored 0.9, so both returns are 0.9 and the group is flat: its
+    advantages must be exactly 0. (In float32, 0.9 + 0.9 + 0.9 = 2.6999998 and / 3 = 0.89999992 != 0.9, which
+    group scaling then blew up to A = -6e-4 for an answer as good as its sibling.)"""
+    rewards = torch.full((4,), 0.9)
+    got = cross_returns(rewards, torch.tensor([0, 0, 0, 1]), 2)
+    assert got.dtype == torch.float32
+    assert got.tolist() == [rewards[0].item()] * 2
+    for baseline in ("group_mean", "leave_one_out", "group_max"):
+        assert group_advantages(got.unsqueeze(0), baseline, "group").tolist() == [[0.0, 0.0]]
+
+
 def test_cross_returns_missing_completion_raises():
     with pytest.raises(ValueError, match=r"cross_returns: completions \[1\] appear in no joint action"):
         cross_returns(_t([1.0, 2.0, 3.0]), torch.tensor([0, 0, 2]), 3)

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from comarl import ConfigError, FunctionEnv, MAGRPOConfig, MAGRPOTrainer, MAReMaxConfig, MAReMaxTrainer
+from comarl.algorithms import tree_lambda_returns
 from comarl.engines import Generation, SamplingParams
 from comarl.envs import Env, History, StepResult, comlrl_transition
 from comarl.rollout import collect, greedy_returns, tree_returns, with_rewards
@@ -323,6 +324,84 @@ def test_discount_reaches_the_completion_returns():
     assert torch.allclose(penalised.returns[0][0], torch.tensor([4.15, 4.6]))
     assert torch.allclose(penalised.returns[0][child], torch.tensor([3.0, 4.0]))
     assert torch.equal(penalised.returns[1], rollout.returns[1])  # agent 1's rewards did not change
+
+
+def test_three_turns_discount_each_later_turn_by_gamma_to_its_distance():
+    """R_t = r_t + gamma r_{t+1} + gamma^2 r_{t+2}: the exponent counts turns from the completion's own turn."""
+    turn_rewards = {"p0": 1.0, "turn2": 2.0, "turn3": 4.0}
+    env = env_with(always_continue, lambda a, b, prompts: [turn_rewards[p] for p in prompts[0]], num_turns=3)
+    rollout = collect(
+        env, fake_agents(2), ITEMS[:1], engine=CountingEngine(), num_generations=1,
+        params=[SamplingParams()] * 2, num_turns=3, discount=0.5,
+    )  # fmt: skip
+    # a chain of three nodes: 1 + .5 * 2 + .25 * 4 = 3; 2 + .5 * 4 = 4; 4
+    assert rollout.depth.tolist() == [0, 1, 2]
+    assert [r.flatten().tolist() for r in rollout.returns] == [[3.0, 4.0, 4.0]] * 2
+    # TD(lambda) on the same chain: lambda = 1 is these Monte-Carlo returns, lambda = 0 bootstraps r + gamma V(next)
+    values = torch.tensor([[10.0, 10.0], [20.0, 20.0], [30.0, 30.0]])
+    mc = tree_lambda_returns(rollout.rewards, values, rollout.child, rollout.done, 0.5, 1.0)
+    assert torch.equal(mc, rollout.node_returns)
+    td = tree_lambda_returns(rollout.rewards, values, rollout.child, rollout.done, 0.5, 0.0)
+    # the last turn ends the episode: no V after it
+    assert td[:, 0, 0].tolist() == [1 + 0.5 * 20, 2 + 0.5 * 30, 4.0]
+
+
+def test_cross_tree_returns_with_an_early_done_branch_and_a_pruned_one_by_hand():
+    """N = 2, G = 2, joint_mode='cross' (K = 4), two turns, gamma = 0.5, max_children = 2, per-agent rewards.
+
+    Turn 1 (prompt p0): joint action (j0, j1) gives agent 0 ``j0 + j1`` and agent 1 ``2 * j1``; (1, 1) ends the
+    episode, the other three go on to prompt ``t{j0}{j1}`` and two of them are expanded. Turn 2 (prompt tXY): agent 0
+    gets ``10 X + j0``, agent 1 ``10 Y + j1``, so the node after (X, Y) has value [10 X + .5, 10 Y + .5].
+    """
+
+    def reward(a, b, prompts):
+        out = []
+        for x, y, p in zip(a, b, prompts[0]):
+            j0, j1 = int(x[-1]), int(y[-1])
+            out.append([j0 + j1, 2.0 * j1] if p == "p0" else [10.0 * int(p[1]) + j0, 10.0 * int(p[2]) + j1])
+        return out
+
+    def transition(item, completions, history):
+        j0, j1 = (int(c[-1]) for c in completions)
+        return None if (j0, j1) == (1, 1) else [f"t{j0}{j1}"] * 2
+
+    env = FunctionEnv(
+        reward, lambda item: item["prompt"], 2, reward_call="batched", transition=transition, num_turns=2
+    )
+    # Root returns R = r + .5 V(child): (0,0) -> [.25, .25], (0,1) -> [1.25, 7.25], (1,0) -> [6.25, .25], (1,1) done
+    # -> [2, 2]. The open action left out is bootstrapped with the mean value of its two expanded siblings.
+    # Completion j of agent i gets the mean over the joint actions it is in (agent 0's j0 = 0: k = 0, 1 and j0 = 1:
+    # k = 2, 3; agent 1's j1 = 0: k = 0, 2 and j1 = 1: k = 1, 3). Siblings' mean V for pruned k = 0: [5.5, 5.5],
+    # k = 1: [5.5, .5], k = 2: [.5, 5.5].
+    by_pruned = {  # pruned k: (node_returns of the root, agent 0's completion returns, agent 1's)
+        0: ([[2.75, 2.75], [1.25, 7.25], [6.25, 0.25], [2.0, 2.0]], [2.0, 4.125], [1.5, 4.625]),
+        1: ([[0.25, 0.25], [3.75, 2.25], [6.25, 0.25], [2.0, 2.0]], [2.0, 4.125], [0.25, 2.125]),
+        2: ([[0.25, 0.25], [1.25, 7.25], [1.25, 2.75], [2.0, 2.0]], [0.75, 1.625], [1.5, 4.625]),
+    }
+    seen = set()
+    for seed in range(8):
+        rollout = collect(
+            env, fake_agents(2), ITEMS[:1], engine=CountingEngine(), num_generations=2,
+            params=[SamplingParams()] * 2, joint_mode="cross", num_turns=2, max_children=2, discount=0.5,
+            generator=torch.Generator().manual_seed(seed),
+        )  # fmt: skip
+        assert rollout.joint_index[0].tolist() == [[0, 0], [0, 1], [1, 0], [1, 1]]
+        assert rollout.done[0].tolist() == [False, False, False, True]
+        pruned = [k for k in range(3) if rollout.child[0, k] < 0]
+        assert len(pruned) == 1 and rollout.child[0, 3] == -1
+        seen.add(pruned[0])
+        root, agent_0, agent_1 = by_pruned[pruned[0]]
+        assert rollout.node_returns[0].tolist() == root
+        assert (rollout.returns[0][0].tolist(), rollout.returns[1][0].tolist()) == (agent_0, agent_1)
+        for child in rollout.child[0][rollout.child[0] >= 0].tolist():  # last turn: R = r
+            assert torch.equal(rollout.node_returns[child], rollout.rewards[child])
+        # TD(lambda = 1) over the same tree treats the done and the pruned branches alike
+        values = torch.zeros(len(rollout.depth), 2)
+        assert torch.equal(
+            tree_lambda_returns(rollout.rewards, values, rollout.child, rollout.done, 0.5, 1.0),
+            rollout.node_returns,
+        )
+    assert len(seen) > 1  # the budget's pick varies with the generator
 
 
 def test_greedy_baseline_follows_a_greedy_path_from_every_node():

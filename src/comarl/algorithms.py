@@ -115,13 +115,18 @@ def cross_returns(
     i.e. its expected team reward when its partners' completions are drawn from the sampled set.
     (A sum, as CoMLRL uses, would scale with how often j was sampled.) Every completion must
     appear in at least one joint action.
+
+    The mean is taken in float64: a sampled subset credits completions unequally often, and in float32
+    ``(r + r + r) / 3`` can differ from ``r`` by an ulp, so a group whose joint actions all scored the same
+    would not be flat (``group_advantages`` would scale that ulp up instead of giving exactly 0).
     """
-    totals = torch.zeros(num_generations, dtype=joint_rewards.dtype).index_add_(0, joint_index, joint_rewards)
+    wide = joint_rewards.to(torch.float64)
+    totals = wide.new_zeros(num_generations).index_add_(0, joint_index, wide)
     counts = torch.bincount(joint_index, minlength=num_generations)
     if (counts == 0).any():
         missing = (counts == 0).nonzero().flatten().tolist()
         raise ValueError(f"cross_returns: completions {missing} appear in no joint action")
-    return totals / counts.to(joint_rewards.dtype)
+    return (totals / counts.to(torch.float64)).to(joint_rewards.dtype)
 
 
 def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0) -> torch.Tensor:
