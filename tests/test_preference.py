@@ -153,6 +153,55 @@ def test_madpo_step_follows_the_gradient_of_the_team_dpo_loss(qwen_bpe, llama_wo
         assert metrics["accuracy"] == pytest.approx(float((team > 0).float().mean()))
 
 
+@pytest.mark.parametrize("margin_mode", ["joint", "own"])
+def test_madpo_row_weights_by_hand(qwen_bpe, llama_word, margin_mode):
+    """The weight of each scored row in the gradient pass, c_r = beta (sum_{p: w_p = r} g_p - sum_{p: l_p = r} g_p),
+    g_p = -(1 - sigmoid(M_p)) / P, with log-probs fixed by hand. One prompt, K = 3, rewards [1, 0, .5]: pairs
+    (0, 1), (0, 2), (2, 1); candidate 1 is rejected twice, 2 is chosen once and rejected once; beta = 0.5.
+    log-ratios (policy - reference) per row: agent 0 [1, -1, 0], agent 1 [0, 1, -1], so
+    m_0 = .5 * [1 - -1, 1 - 0, 0 - -1] = [1, .5, .5], m_1 = .5 * [0 - 1, 0 - -1, -1 - 1] = [-.5, .5, -1],
+    team M = [.5, 1, -.5]. joint: g = -[1 - s(.5), 1 - s(1), 1 - s(-.5)] / 3 = -[.377541, .268941, .622459] / 3,
+    c = .5 * [g1 + g2, -(g1 + g3), g3 - g2] = [-.107747, 1/6, -.058920] for both agents.
+    own, agent 0: g = -[.268941, .377541, .377541] / 3, c = [-.107747, .107747, 0];
+    agent 1: g = -[.622459, .377541, .731059] / 3, c = [-1/6, .225586, -.058920]."""
+    trainer = MADPOTrainer(
+        agents=[qwen_bpe, llama_word],
+        train_dataset=DATA,
+        reward_func=length_reward,
+        args=madpo_args(candidates_from="current", dpo_beta=0.5, dpo_margin=margin_mode),
+    )
+    policy = {0: torch.tensor([-1.0, -3.0, -2.0]), 1: torch.tensor([-4.0, -4.0, -5.0])}
+    reference = {0: torch.tensor([-2.0, -2.0, -2.0]), 1: torch.tensor([-4.0, -5.0, -4.0])}
+
+    def sequence_logprobs(i, gen, rows, model=None):
+        return (policy if model is None else reference)[i][rows]
+
+    weights = {}
+
+    def dpo_step(i, gen, rows, weight):
+        assert rows.tolist() == [0, 1, 2]  # each candidate scored once
+        weights[i] = weight.tolist()
+        return {}
+
+    trainer._sequence_logprobs = sequence_logprobs
+    trainer._dpo_step = dpo_step
+    pairs = preference_pairs(torch.tensor([[1.0, 0.0, 0.5]]), 16, "reward_gap")
+    assert pairs.tolist() == [[0, 0, 1], [0, 0, 2], [0, 2, 1]]
+    metrics = trainer.update_team([None, None], pairs, 3, None)
+    if margin_mode == "joint":
+        want = {0: [-0.107747, 1 / 6, -0.058920], 1: [-0.107747, 1 / 6, -0.058920]}
+        # mean of -log sigmoid([.5, 1, -.5]) = (.474077 + .313262 + .974077) / 3
+        assert metrics["loss"] == pytest.approx(0.587139, abs=1e-6)
+        assert metrics["margin"] == pytest.approx(1 / 3) and metrics["accuracy"] == pytest.approx(2 / 3)
+    else:
+        want = {0: [-0.107747, 0.107747, 0.0], 1: [-1 / 6, 0.225586, -0.058920]}
+    for i in range(2):
+        assert weights[i] == pytest.approx(want[i], abs=1e-6)
+    assert metrics["agent_0/margin"] == pytest.approx(2 / 3)
+    assert metrics["agent_1/margin"] == pytest.approx(-1 / 3)
+    assert metrics["agent_0/chosen_reward"] == pytest.approx(0.5 * (1 + 1 + 0) / 3)  # beta * log-ratio of w
+
+
 def test_madpo_loss_is_the_mean_over_every_process_pairs(qwen_bpe, llama_word):
     """Under data parallelism update_team gets the pair count of every process: this process's gradient and metric
     sums are divided by it, so with 3x its own pairs in the batch it contributes a third; a process whose items gave
@@ -415,6 +464,32 @@ def test_marlhf_fits_its_reward_model_on_given_pairs(qwen_bpe):
         ConfigError, match="MARLHF: 2 chosen and 1 rejected texts; the reward model needs pairs"
     ):
         trainer.fit_reward_model(pairs=(["a", "b"], ["c"]))
+
+
+def test_marlhf_bradley_terry_loss_by_hand(qwen_bpe):
+    """A fresh reward model has a zero head: every score is 0, so one batch holding all 4 pairs has the loss
+    mean_p -log sigmoid(0 - 0) = log 2 (a mean over the pairs, not a sum: 4 log 2 would be 2.772589), and its one
+    step moves chosen above rejected (s_w - s_l, not s_l - s_w)."""
+    trainer = MARLHFTrainer(
+        model=qwen_bpe,
+        num_agents=2,
+        train_dataset=DATA,
+        reward_func=length_reward,
+        args=MARLHFConfig(
+            prompts_per_step=2,
+            num_generations=2,
+            max_new_tokens=4,
+            progress_bar=False,
+            reward_learning_rate=1e-2,
+            reward_train_batch_size=8,
+        ),
+    )
+    chosen = [joint_observation(["x", "y"], [f"yes {k}", "ok"]) for k in range(4)]
+    rejected = [joint_observation(["x", "y"], [f"no {k}", "ok"]) for k in range(4)]
+    assert reward_scores(trainer.reward_model, chosen + rejected).abs().max() == 0
+    metrics = trainer.fit_reward_model(pairs=(chosen, rejected))
+    assert metrics["reward_model/loss"] == pytest.approx(math.log(2), abs=1e-6)  # 0.693147
+    assert metrics["reward_model/accuracy"] == 1.0
 
 
 def test_marlhf_saves_a_reward_model_that_reloads(qwen_bpe, tmp_path):
