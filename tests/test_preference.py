@@ -429,23 +429,24 @@ def test_reward_model_env_scores_with_the_model_and_keeps_the_task_reward(qwen_b
     assert abs(trainer.evaluate(DATA)["eval/reward"]) < 5
 
 
-def test_marlhf_fits_its_reward_model_on_given_pairs(qwen_bpe):
-    """fit_reward_model(pairs=) learns from preference texts the caller gives (e.g. human labels); the team is
-    not asked for candidates."""
-    trainer = MARLHFTrainer(
-        model=qwen_bpe,
+def _small_marlhf(model, **reward_settings):
+    """A two-agent MARLHF trainer on DATA with short completions; ``reward_settings`` configure its reward model."""
+    return MARLHFTrainer(
+        model=model,
         num_agents=2,
         train_dataset=DATA,
         reward_func=length_reward,
         args=MARLHFConfig(
-            prompts_per_step=2,
-            num_generations=2,
-            max_new_tokens=4,
-            progress_bar=False,
-            reward_learning_rate=1e-3,
-            reward_num_train_epochs=4,
-            reward_train_batch_size=4,
+            prompts_per_step=2, num_generations=2, max_new_tokens=4, progress_bar=False, **reward_settings
         ),
+    )
+
+
+def test_marlhf_fits_its_reward_model_on_given_pairs(qwen_bpe):
+    """fit_reward_model(pairs=) learns from preference texts the caller gives (e.g. human labels); the team is
+    not asked for candidates."""
+    trainer = _small_marlhf(
+        qwen_bpe, reward_learning_rate=1e-3, reward_num_train_epochs=4, reward_train_batch_size=4
     )
 
     def no_sampling(*args, **kwargs):
@@ -470,20 +471,7 @@ def test_marlhf_bradley_terry_loss_by_hand(qwen_bpe):
     """A fresh reward model has a zero head: every score is 0, so one batch holding all 4 pairs has the loss
     mean_p -log sigmoid(0 - 0) = log 2 (a mean over the pairs, not a sum: 4 log 2 would be 2.772589), and its one
     step moves chosen above rejected (s_w - s_l, not s_l - s_w)."""
-    trainer = MARLHFTrainer(
-        model=qwen_bpe,
-        num_agents=2,
-        train_dataset=DATA,
-        reward_func=length_reward,
-        args=MARLHFConfig(
-            prompts_per_step=2,
-            num_generations=2,
-            max_new_tokens=4,
-            progress_bar=False,
-            reward_learning_rate=1e-2,
-            reward_train_batch_size=8,
-        ),
-    )
+    trainer = _small_marlhf(qwen_bpe, reward_learning_rate=1e-2, reward_train_batch_size=8)
     chosen = [joint_observation(["x", "y"], [f"yes {k}", "ok"]) for k in range(4)]
     rejected = [joint_observation(["x", "y"], [f"no {k}", "ok"]) for k in range(4)]
     assert reward_scores(trainer.reward_model, chosen + rejected).abs().max() == 0

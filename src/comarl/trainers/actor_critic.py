@@ -562,6 +562,7 @@ class ActorCriticTrainer(MAGRPOTrainer):
         return state
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
+        fix = "the same critic settings (critic_model, centralized_critic)"
         # Before anything loads: a run with critic models where the checkpoint has value heads (or the other way
         # round) would fail inside torch on the agents' optimizers, which hold a head's parameter group.
         held = {
@@ -572,10 +573,9 @@ class ActorCriticTrainer(MAGRPOTrainer):
             if sorted(state[key]) != here:
                 raise ConfigError(
                     f"resume_from_checkpoint: the checkpoint holds {key} {sorted(state[key])}, this process {here}; "
-                    "resume with the same critic settings (critic_model, centralized_critic)"
+                    f"resume with {fix}"
                 )
         super().load_checkpoint_state(state)
-        fix = "the same critic settings (critic_model, centralized_critic)"
         for i, head_state in state["value_heads"].items():
             load_weights(self.value_heads[i], head_state, f"agent {i}'s value head", fix)
         for c, part in state["critics"].items():

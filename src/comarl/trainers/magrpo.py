@@ -496,8 +496,9 @@ class MAGRPOTrainer:
         if run_dir is not None:
             if writer:
                 # agent_2/ of an earlier three-agent team in this folder is not one of this team's agents.
+                own = {f"agent_{i}" for i in range(self.num_agents)}
                 for stale in (run_dir / "agents").glob("agent_*"):
-                    if stale.name.removeprefix("agent_") not in {str(i) for i in range(self.num_agents)}:
+                    if stale.name not in own:
                         shutil.rmtree(stale, ignore_errors=True)
             self.save_model(run_dir / "agents")
             if self.processes is not None:
