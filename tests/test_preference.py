@@ -422,6 +422,9 @@ def test_reward_model_env_scores_with_the_model_and_keeps_the_task_reward(qwen_b
         assert result.components["task"] == pytest.approx(task)
         assert result.components["length_reward"] == pytest.approx(task)
     assert scores[0] != scores[1]
+    # one joint action at a time (Env.step) is scored as in a batch
+    single = episode.step(["a", "bcdef"])
+    assert single.rewards == [pytest.approx(scores[1])] * 2 and single.components == results[1].components
     # evaluation scores the task, never the reward model
     with torch.no_grad():
         trainer.reward_model.head.linear.bias.fill_(100.0)

@@ -425,6 +425,10 @@ class RewardModelEnv(Env):
         self.observations = list(self.episode.reset(item))
         return list(self.observations)
 
+    def step(self, joint_action: Sequence[str]) -> StepResult:
+        """One joint action on this episode (after ``reset``), scored as :meth:`step_many` scores a batch."""
+        return self.step_many([self], [[joint_action]])[0][0]
+
     def step_many(
         self, episodes: Sequence[Env], joint_actions: Sequence[Sequence[Sequence[str]]]
     ) -> list[list[StepResult]]:
