@@ -238,13 +238,13 @@ def test_a_new_checkpoint_replaces_those_an_earlier_run_left_past_it(tmp_path, m
         checkpoint.save_checkpoint(_Stub(step), tmp_path, keep=3)
     written, real_save = [], torch.save
 
-    def save(obj, path):  # the folder being rewritten does not count as finished meanwhile
-        written.append([p.name for p in checkpoint.completed_checkpoints(tmp_path)])
+    def save(obj, path):  # the new step_2 is written beside the old one, which stays whole until replaced
+        written.append([p.name for p in checkpoint.completed_checkpoints(tmp_path)] + [path.parent.name])
         real_save(obj, path)
 
     monkeypatch.setattr(checkpoint.torch, "save", save)
     directory = checkpoint.save_checkpoint(_Stub(2), tmp_path, keep=3)
-    assert written == [["step_4", "step_6"]]
+    assert written == [["step_2", "step_4", "step_6", "step_2.partial"]]
     # step_4 and step_6 belong to the replaced run: --resume must not jump back to them
     assert checkpoint.completed_checkpoints(tmp_path) == [directory]
     assert torch.load(directory / "process_0.pt", weights_only=False)["trainer"] == {"step": 2}
@@ -267,7 +267,21 @@ def test_a_save_cut_short_leaves_the_previous_checkpoint_and_is_cleared_later(tm
     previous = tmp_path / "checkpoints" / "step_2"
     assert checkpoint.completed_checkpoints(tmp_path) == [previous]
     assert torch.load(previous / "process_0.pt", weights_only=False)["trainer"] == {"step": 2}
-    # The run resumed from step 2 saves every 3 steps now: step 4's remains go with its next save, not stay for good.
+
+    # Cut short after every part and trainer_state.json were written, before the rename: still not loaded.
+    def rename_cut_short(source, target):
+        raise OSError("the machine went away")
+
+    monkeypatch.setattr(checkpoint.os, "replace", rename_cut_short)
+    with pytest.raises(OSError):
+        checkpoint.save_checkpoint(_Stub(5), tmp_path, keep=2)
+    monkeypatch.undo()
+    partial = tmp_path / "checkpoints" / "step_5.partial"
+    assert (partial / "trainer_state.json").is_file() and (partial / "process_0.pt").is_file()
+    assert checkpoint.completed_checkpoints(tmp_path) == [previous]
+    with pytest.raises(ConfigError, match=r"step_5\.partial': not a finished checkpoint"):
+        checkpoint.load_checkpoint(_Stub(5), partial)
+    # The run resumed from step 2 saves every 3 steps now: steps 4 and 5's remains go with its next save.
     checkpoint.save_checkpoint(_Stub(3), tmp_path, keep=2)
     assert sorted(p.name for p in (tmp_path / "checkpoints").iterdir()) == ["step_2", "step_3"]
 

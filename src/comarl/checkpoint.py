@@ -9,13 +9,15 @@ A checkpoint is a folder ``output_dir/checkpoints/step_<N>/``:
   state, critics, MADPO's candidates) is written once, by the first shard; the others' parts say
   :data:`IN_FIRST_SHARD` there and name that part in ``first_shard``, and resume reads it from it;
 - ``trainer_state.json`` — the step, the trainer, the team size, the number of processes, the agents'
-  sources and the :data:`RESUME_SETTINGS`, which a resumed run must share. It is written last, through a
-  temporary file and a rename, so a folder without it is an unfinished checkpoint and is never loaded. It
-  is removed first when a folder is rewritten or deleted.
+  sources and the :data:`RESUME_SETTINGS`, which a resumed run must share.
+
+Every part is written into ``step_<N>.partial/``, which is renamed to ``step_<N>/`` once all are on disk, so a
+save cut short never leaves a folder that is loaded. A folder is deleted ``trainer_state.json`` first, so a
+deletion cut short does not leave one either: only ``step_<N>/`` folders with that file are loaded.
 
 A run that does not resume deletes the folder's checkpoints when it starts (:func:`remove_checkpoints`).
 Saving step N also deletes the checkpoints past N (left when this run resumed from an older one, which it
-replaces) and the unfinished ones (saves cut short), and keeps the newest ``save_total_limit``, step N
+replaces) and the unfinished ones (saves or deletions cut short), and keeps the newest ``save_total_limit``, step N
 among them.
 
 The data order needs no state: each epoch's permutation comes from ``seed + epoch``, and a resumed
@@ -39,6 +41,7 @@ from comarl.config import ConfigError
 
 STATE_FILE = "trainer_state.json"
 CHECKPOINTS = "checkpoints"
+PARTIAL = ".partial"  # the suffix of a checkpoint folder being written
 # Stands in a data shard's part for a state the first data shard's part holds (D equal copies would take D times
 # the disk: 36 GB per copy for a 3 B agent's fp32 weights and AdamW moments).
 IN_FIRST_SHARD = "comarl: in the first data shard's part"
@@ -69,7 +72,11 @@ def checkpoint_dir(output_dir: str | Path, step: int) -> Path:
 
 def completed_checkpoints(output_dir: str | Path) -> list[Path]:
     """Finished checkpoints under ``output_dir/checkpoints``, oldest first."""
-    return [p for p in _checkpoint_folders(output_dir) if (p / STATE_FILE).is_file()]
+    return [p for p in _checkpoint_folders(output_dir) if _finished(p)]
+
+
+def _finished(directory: Path) -> bool:
+    return not directory.name.endswith(PARTIAL) and (directory / STATE_FILE).is_file()
 
 
 def _checkpoint_folders(output_dir: str | Path) -> list[Path]:
@@ -111,22 +118,18 @@ def save_checkpoint(trainer: Any, output_dir: str | Path, keep: int) -> Path:
     parallel = trainer.processes
     rank = 0 if parallel is None else parallel.rank
     directory = checkpoint_dir(output_dir, trainer.step)
+    partial = directory.with_name(directory.name + PARTIAL)
     if rank == 0:
-        # A folder left by an earlier run at this step stops counting as finished before any part is replaced:
-        # otherwise a crash midway would leave parts of two runs under one trainer_state.json.
-        _unmark(directory)
-        directory.mkdir(parents=True, exist_ok=True)
+        _remove(partial)  # left by a save of this step that was cut short
+        partial.mkdir(parents=True)
     if parallel is not None:
         parallel.barrier()
-    target = directory / f"process_{rank}.pt"
-    temporary = target.with_suffix(".tmp")
     # The process (global rank) whose part holds the states marked IN_FIRST_SHARD in this one.
     first_shard = None if trainer.data is None else trainer.data.gather(rank)[0]
     saved = {"trainer": trainer.checkpoint_state(), "rng": rng_state(), "first_shard": first_shard}
-    torch.save(saved, temporary)
-    os.replace(temporary, target)
+    torch.save(saved, partial / f"process_{rank}.pt")
     if parallel is not None:
-        parallel.barrier()  # every process's part is on disk before the checkpoint is marked finished
+        parallel.barrier()  # every process's part is on disk before the folder is renamed into place
     if rank == 0:
         state = {
             "step": trainer.step,
@@ -136,16 +139,16 @@ def save_checkpoint(trainer: Any, output_dir: str | Path, keep: int) -> Path:
             "agents": [_source(agent.source) for agent in trainer.team],
             "settings": _settings(trainer.args),
         }
-        temporary = directory / (STATE_FILE + ".tmp")
-        temporary.write_text(json.dumps(state, indent=1))
-        os.replace(temporary, directory / STATE_FILE)
+        (partial / STATE_FILE).write_text(json.dumps(state, indent=1))
+        _remove(directory)  # an earlier run's checkpoint at this step, which this one replaces
+        os.replace(partial, directory)
         # Checkpoints past this step were left by an earlier run in this folder (one that went further, or the
         # run this one resumed from an older checkpoint): this run replaces them, and resuming must not jump
         # back to them. Unfinished ones are saves cut short, whose parts would otherwise stay on disk for good (no
         # later save counts them). Of the rest, the newest `keep` stay, this one among them.
         older = []
         for other in _checkpoint_folders(output_dir):
-            if (other / STATE_FILE).is_file() and _step(other) < trainer.step:
+            if _finished(other) and _step(other) < trainer.step:
                 older.append(other)
             elif other != directory:
                 _remove(other)
@@ -170,12 +173,7 @@ def _settings(args: Any) -> dict[str, Any]:
 
 
 def _step(directory: Path) -> int:
-    return int(directory.name.removeprefix("step_"))
-
-
-def _unmark(directory: Path) -> None:
-    """Make ``directory`` an unfinished checkpoint, which is never loaded."""
-    (directory / STATE_FILE).unlink(missing_ok=True)
+    return int(directory.name.removeprefix("step_").removesuffix(PARTIAL))
 
 
 def remove_checkpoints(output_dir: str | Path) -> None:
@@ -185,8 +183,8 @@ def remove_checkpoints(output_dir: str | Path) -> None:
 
 
 def _remove(directory: Path) -> None:
-    # Unmarked first: a removal cut short leaves an unfinished checkpoint, not a finished one with parts missing.
-    _unmark(directory)
+    # trainer_state.json first: a removal cut short leaves an unfinished checkpoint, not one with parts missing.
+    (directory / STATE_FILE).unlink(missing_ok=True)
     shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -194,9 +192,10 @@ def load_checkpoint(trainer: Any, directory: str | Path) -> int:
     """Restore ``trainer`` from a checkpoint folder written by :func:`save_checkpoint`; returns its step."""
     directory = Path(directory)
     state_path = directory / STATE_FILE
-    if not state_path.is_file():
+    if not _finished(directory):
         raise ConfigError(
-            f"resume_from_checkpoint={str(directory)!r}: no {STATE_FILE} there (not a finished checkpoint)"
+            f"resume_from_checkpoint={str(directory)!r}: not a finished checkpoint (a step_<N> folder with "
+            f"{STATE_FILE}); name a finished one, or resume_from_checkpoint=True for the newest"
         )
     state = json.loads(state_path.read_text())
     parallel = trainer.processes
