@@ -70,7 +70,7 @@ def test_cli_train_from_yaml_with_overrides(tmp_path, capsys):
     assert [(row["step"], "eval/success" in row) for row in rows] == [(1, False), (2, False), (2, True)]
 
 
-def test_cli_train_resumes_from_the_newest_checkpoint(tmp_path, capsys):
+def test_cli_train_resumes_from_the_newest_checkpoint(tmp_path, capsys, monkeypatch):
     spec = tmp_path / "run.yaml"
     spec.write_text(
         "trainer: magrpo\ntask: demo\nargs:\n  max_steps: 2\n  progress_bar: false\n  prompts_per_step: 2\n"
@@ -85,6 +85,22 @@ def test_cli_train_resumes_from_the_newest_checkpoint(tmp_path, capsys):
     assert main(["train", str(spec), "--set", f"output_dir={out}", "--resume"]) == 0
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert steps == [1, 2, 2]
+    # A resume the checkpoint does not fit stops before any model loads (the demo team is not built).
+    monkeypatch.setattr(demo, "build_team", lambda *args, **kwargs: pytest.fail("a model was loaded"))
+    capsys.readouterr()
+    assert main(["train", str(spec), "--set", f"output_dir={out}", "--set", "args.seed=5", "--resume"]) == 2
+    assert capsys.readouterr().err == (
+        f"comarl: error: resume_from_checkpoint='{out / 'checkpoints' / 'step_2'}': the checkpoint was written with "
+        "seed=42, this run has seed=5; resume with the same seed (it shapes the saved state or the data order), or "
+        "start a new run from the saved agents\n"
+    )
+    assert (
+        main(["train", str(spec), "--set", f"output_dir={out}", "--set", "trainer=marloo", "--resume"]) == 2
+    )
+    assert (
+        "the checkpoint has trainer='MAGRPOTrainer', this run trainer='MARLOOTrainer'"
+        in capsys.readouterr().err
+    )
 
 
 def test_cli_resume_without_a_checkpoint_stops_before_any_model_loads(tmp_path, capsys):

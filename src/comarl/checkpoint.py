@@ -32,6 +32,7 @@ import json
 import os
 import random
 import shutil
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -188,35 +189,42 @@ def _remove(directory: Path) -> None:
     shutil.rmtree(directory, ignore_errors=True)
 
 
-def load_checkpoint(trainer: Any, directory: str | Path) -> int:
-    """Restore ``trainer`` from a checkpoint folder written by :func:`save_checkpoint`; returns its step."""
+def check_resumable(
+    directory: str | Path,
+    trainer: str,
+    num_agents: int,
+    processes: int,
+    args: Any,
+    sources: Sequence[str | None] | None = None,
+) -> int:
+    """The step of the checkpoint in ``directory``, once a run of ``trainer`` (its class name) with ``num_agents``
+    agents on ``processes`` processes, config ``args`` and agent ``sources`` (None: not checked) may resume from
+    it: the checkpoint must be finished and record the same trainer, team size, process count, sources and
+    :data:`RESUME_SETTINGS`. Raises ConfigError naming the first that differs. Reads trainer_state.json alone, so
+    ``comarl train --resume`` checks it before any model loads (:func:`load_checkpoint` checks it again)."""
     directory = Path(directory)
-    state_path = directory / STATE_FILE
     if not _finished(directory):
         raise ConfigError(
             f"resume_from_checkpoint={str(directory)!r}: not a finished checkpoint (a step_<N> folder with "
             f"{STATE_FILE}); name a finished one, or resume_from_checkpoint=True for the newest"
         )
-    state = json.loads(state_path.read_text())
-    parallel = trainer.processes
-    processes = 1 if parallel is None else parallel.world_size
-    expected = {"trainer": type(trainer).__name__, "num_agents": trainer.num_agents, "processes": processes}
-    for key, value in expected.items():
+    state = json.loads((directory / STATE_FILE).read_text())
+    for key, value in {"trainer": trainer, "num_agents": num_agents, "processes": processes}.items():
         if state[key] != value:
             raise ConfigError(
                 f"resume_from_checkpoint={str(directory)!r}: the checkpoint has {key}={state[key]!r}, this run "
                 f"{key}={value!r}; resume with the same trainer, team and launch"
             )
     # (Checkpoints written before sources and settings were recorded are not checked for them.)
-    for i, (saved_source, agent) in enumerate(zip(state.get("agents", []), trainer.team)):
-        source = _source(agent.source)
+    for i, (saved_source, source) in enumerate(zip(state.get("agents", []), sources or [])):
+        source = _source(source)
         if None not in (saved_source, source) and saved_source != source:
             raise ConfigError(
                 f"resume_from_checkpoint={str(directory)!r}: the checkpoint's agent {i} is {saved_source!r}, this "
                 f"run's {source!r}; resume with the same models (model= / agents=): the KL reference and a LoRA "
                 "agent's base are loaded from them"
             )
-    settings = _settings(trainer.args)
+    settings = _settings(args)
     for key, value in state.get("settings", {}).items():
         if key in settings and settings[key] != value:
             raise ConfigError(
@@ -224,6 +232,21 @@ def load_checkpoint(trainer: Any, directory: str | Path) -> int:
                 f"run has {key}={settings[key]!r}; resume with the same {key} (it shapes the saved state or the data "
                 "order), or start a new run from the saved agents"
             )
+    return int(state["step"])
+
+
+def load_checkpoint(trainer: Any, directory: str | Path) -> int:
+    """Restore ``trainer`` from a checkpoint folder written by :func:`save_checkpoint`; returns its step."""
+    directory = Path(directory)
+    parallel = trainer.processes
+    step = check_resumable(
+        directory,
+        type(trainer).__name__,
+        trainer.num_agents,
+        1 if parallel is None else parallel.world_size,
+        trainer.args,
+        [agent.source for agent in trainer.team],
+    )
     rank = 0 if parallel is None else parallel.rank
     # mmap: the state is paged in as it is copied onto the agents' devices, not read whole into host memory first.
     saved = torch.load(directory / f"process_{rank}.pt", map_location="cpu", weights_only=False, mmap=True)
@@ -235,7 +258,7 @@ def load_checkpoint(trainer: Any, directory: str | Path) -> int:
         _take_first_shards(saved["trainer"], whole["trainer"])
     trainer.load_checkpoint_state(saved["trainer"])
     set_rng_state(saved["rng"])
-    return int(state["step"])
+    return step
 
 
 def _take_first_shards(part: dict[Any, Any], first: dict[Any, Any]) -> None:

@@ -191,15 +191,20 @@ def _train(spec: RunSpec, resume: bool = False) -> int:
         "marlhf": preference.MARLHFTrainer,
     }[spec.trainer]
     args = spec.trainer_args()
-    if resume:  # checked before any model loads, as the config is
-        from comarl.checkpoint import CHECKPOINTS, completed_checkpoints
+    if resume:  # checked before any model loads, as the config is (train() checks the loaded agents again)
+        from comarl.checkpoint import CHECKPOINTS, check_resumable, completed_checkpoints
 
-        if args.output_dir is None or not completed_checkpoints(args.output_dir):
+        found = completed_checkpoints(args.output_dir) if args.output_dir else []
+        if not found:
             where = Path(args.output_dir) / CHECKPOINTS if args.output_dir else "output_dir (not set)"
             raise ConfigError(
                 f"--resume: no finished checkpoint in {where}; run without --resume to start the run (it writes "
                 "one every args.save_steps)"
             )
+        several = args.agent_parallel or args.data_parallel
+        sources = None if spec.task == "demo" else spec.agents or [spec.model] * spec.num_agents
+        processes = int(os.environ.get("WORLD_SIZE", "1")) if several else 1
+        check_resumable(found[-1], trainer_cls.__name__, spec.num_agents, processes, args, sources)
     env = None
     if spec.task == "demo":
         from comarl.tasks import demo
