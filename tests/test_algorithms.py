@@ -10,7 +10,6 @@ from torch.testing import assert_close
 from comarl.algorithms import (
     aggregate_loss,
     clipped_surrogate,
-    completion_mask,
     cross_returns,
     discounted_returns,
     group_advantages,
@@ -20,6 +19,7 @@ from comarl.algorithms import (
     token_logprobs,
     truncated_completions,
 )
+from comarl.engines import completion_mask
 from comarl.rollout import joint_action_indices
 
 EPS = 1e-4  # group_advantages' default eps, added to the std

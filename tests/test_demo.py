@@ -8,6 +8,7 @@ import pytest
 
 from comarl.cli import main
 from comarl.tasks import demo
+from comarl.trainers.magrpo import MAGRPOTrainer
 
 
 def test_meeting_reward_by_hand():
@@ -33,7 +34,7 @@ def test_views_differ_and_name_the_open_places():
 @pytest.mark.slow
 def test_demo_team_learns_to_coordinate(tmp_path):
     """Seeded: from chance (~1% joint success) to >= 90% greedy joint success in 200 steps."""
-    summary = demo.run_demo(tmp_path / "run", max_steps=200, seed=0, progress_bar=False)
+    summary = demo.run_demo(MAGRPOTrainer, tmp_path / "run", max_steps=200, seed=0, progress_bar=False)
     assert summary["success_before"] <= 0.05
     assert summary["success_after"] >= 0.9
     run = tmp_path / "run"
@@ -199,7 +200,7 @@ def test_run_demo_gives_back_the_callers_thread_count(tmp_path):
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
-        demo.run_demo(tmp_path / "run", max_steps=1, progress_bar=False)
+        demo.run_demo(MAGRPOTrainer, tmp_path / "run", max_steps=1, progress_bar=False)
         assert torch.get_num_threads() == 2  # the demo runs on one thread, the caller's setting comes back
     finally:
         torch.set_num_threads(threads)

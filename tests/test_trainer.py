@@ -72,7 +72,7 @@ def test_eos_is_scored_and_padding_is_not(qwen_bpe):
     prompt_ids, prompt_mask = agent.encode(["alice and bob"])
     completion = torch.tensor([[17, 23, eos, 5, 9]])
     mask = torch.tensor([[1, 1, 1, 0, 0]])
-    from comarl.algorithms import completion_mask
+    from comarl.engines import completion_mask
 
     assert completion_mask(completion, [eos]).tolist() == mask.tolist()
     base = agent.completion_logprobs(prompt_ids, prompt_mask, completion, mask)

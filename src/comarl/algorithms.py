@@ -144,21 +144,6 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return picked - torch.logsumexp(logits, dim=-1)
 
 
-def completion_mask(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
-    """1 for every generated token up to and including the first EOS, 0 after it.
-
-    ``completion_ids[B, T]`` are only the generated tokens (the prompt is sliced off by length, so
-    an EOS inside the prompt does not matter). The EOS token is scored because choosing to stop
-    is an action; the padding after it is not.
-    """
-    is_eos = torch.zeros_like(completion_ids, dtype=torch.bool)
-    for eos in eos_token_ids:
-        is_eos |= completion_ids == eos
-    # Tokens strictly after the first EOS have at least one EOS before them.
-    eos_before = torch.cumsum(is_eos.int(), dim=1) - is_eos.int()
-    return (eos_before == 0).to(torch.long)
-
-
 def truncated_completions(
     completion_ids: torch.Tensor, completion_mask: torch.Tensor, eos_token_ids: list[int]
 ) -> torch.Tensor:

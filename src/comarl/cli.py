@@ -146,6 +146,7 @@ def _plot(args: argparse.Namespace) -> int:
 def _demo(args: argparse.Namespace) -> int:
     from comarl.config import MAX_SEED
     from comarl.tasks.demo import DEMO_STEPS, run_demo
+    from comarl.trainers.magrpo import MAGRPOTrainer
 
     if args.steps is not None and args.steps < 1:
         raise ConfigError(
@@ -159,6 +160,7 @@ def _demo(args: argparse.Namespace) -> int:
         except OSError as exc:
             raise ConfigError(f"--out {args.out}: cannot create it ({exc.strerror or exc})") from None
     summary = run_demo(
+        MAGRPOTrainer,
         args.out,
         max_steps=DEMO_STEPS if args.steps is None else args.steps,
         seed=args.seed,

@@ -128,9 +128,14 @@ def demo_trainer(trainer_cls: Any, paths: Sequence[str | Path], args: Any) -> An
 
 
 def run_demo(
-    out: str | Path | None = None, max_steps: int = DEMO_STEPS, seed: int = 0, progress_bar: bool = True
+    trainer_cls: Any,
+    out: str | Path | None = None,
+    max_steps: int = DEMO_STEPS,
+    seed: int = 0,
+    progress_bar: bool = True,
 ) -> dict[str, Any]:
-    """Build the tiny team, measure it, train it, measure again; write everything into a run folder."""
+    """Build the tiny team, measure it, train it with ``trainer_cls`` (MAGRPOTrainer for ``comarl demo``), measure
+    again; write everything into a run folder."""
     import torch
 
     # Models this small are faster on one thread: synchronising threads costs more than the work. The caller's
@@ -138,22 +143,23 @@ def run_demo(
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        return _run_demo(out, max_steps, seed, progress_bar)
+        return _run_demo(trainer_cls, out, max_steps, seed, progress_bar)
     finally:
         torch.set_num_threads(threads)
 
 
-def _run_demo(out: str | Path | None, max_steps: int, seed: int, progress_bar: bool) -> dict[str, Any]:
+def _run_demo(
+    trainer_cls: Any, out: str | Path | None, max_steps: int, seed: int, progress_bar: bool
+) -> dict[str, Any]:
     from transformers.utils import logging as hf_logging
 
     from comarl.engines import SamplingParams
-    from comarl.trainers.magrpo import MAGRPOTrainer
 
     hf_logging.disable_progress_bar()
     run_dir = Path(out) if out is not None else Path("runs") / time.strftime("demo-%Y%m%d-%H%M%S")
     run_dir.mkdir(parents=True, exist_ok=True)
     paths = build_team(run_dir / "base_models", seed=seed)
-    trainer = demo_trainer(MAGRPOTrainer, paths, demo_config(run_dir, max_steps, seed, progress_bar))
+    trainer = demo_trainer(trainer_cls, paths, demo_config(run_dir, max_steps, seed, progress_bar))
     before = trainer.evaluate(do_sample=True, num_generations=8)  # the untrained team's chance level
     trainer.train()
     after = trainer.evaluate()  # greedy: the conventions the team actually uses
