@@ -134,6 +134,35 @@ def test_lora_rank_is_checked():
         MAGRPOConfig(lora_r=0)
 
 
+def test_target_modules_that_match_nothing_stop_before_any_weights_load(qwen_bpe, monkeypatch):
+    import comarl.trainers.magrpo as magrpo
+
+    error = (
+        r"lora_target_modules=\['qkv'\]: no module of Qwen2ForCausalLM matches; name some of its linear layers "
+        r"\(down_proj, gate_proj, k_proj, lm_head, o_proj, q_proj, up_proj, v_proj\) or give 'all-linear'"
+    )
+    monkeypatch.setattr(magrpo, "_load_agent", lambda *args: pytest.fail("weights were loaded"))
+    with pytest.raises(ConfigError, match=error):  # the memory check builds the model on the meta device
+        MAGRPOTrainer(
+            model=qwen_bpe,
+            train_dataset=DATA,
+            reward_func=length_reward,
+            args=MAGRPOConfig(**lora_args(lora_target_modules=["qkv"])),
+        )
+    monkeypatch.undo()
+    # without the memory check, when the adapters are added to the loaded model, and with a shared base
+    for shared in (False, True):
+        with pytest.raises(ConfigError, match=error):
+            MAGRPOTrainer(
+                model=qwen_bpe,
+                train_dataset=DATA,
+                reward_func=length_reward,
+                args=MAGRPOConfig(
+                    **lora_args(lora_target_modules=["qkv"], check_memory=False, lora_shared_base=shared)
+                ),
+            )
+
+
 # ---------------------------------------------------------------------------- one base shared by every agent
 
 

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from importlib.metadata import version
 from pathlib import Path
 from typing import Any
@@ -10,6 +11,7 @@ from typing import Any
 import torch
 
 from comarl.algorithms import token_logprobs
+from comarl.config import ConfigError
 
 Prompt = str | list[dict[str, str]]
 
@@ -468,7 +470,30 @@ def add_lora(model: Any, r: int, alpha: float, target_modules: list[str] | str) 
     dropout in RL (the policy that samples must be the policy that is scored)."""
     from peft import get_peft_model
 
-    return get_peft_model(model, _lora_config(r, alpha, target_modules))
+    with _named_targets(model, target_modules):
+        return get_peft_model(model, _lora_config(r, alpha, target_modules))
+
+
+@contextmanager
+def _named_targets(model: Any, target_modules: list[str] | str) -> Iterator[None]:
+    """Inside the block, peft finding no module to adapt is a ConfigError naming lora_target_modules and the
+    model's linear layers (peft's own error names neither the field nor what would match)."""
+    from peft.utils.error import NoMatchingPeftModuleError
+
+    try:
+        yield
+    except NoMatchingPeftModuleError:
+        linear = sorted(
+            {
+                name.rsplit(".", 1)[-1]
+                for name, module in model.named_modules()
+                if isinstance(module, torch.nn.Linear) or type(module).__name__ == "Conv1D"
+            }
+        )
+        raise ConfigError(
+            f"lora_target_modules={target_modules!r}: no module of {type(model).__name__} matches; name some of its "
+            f"linear layers ({', '.join(linear)}) or give 'all-linear'"
+        ) from None
 
 
 def shared_base_lora(
@@ -484,7 +509,7 @@ def shared_base_lora(
     from peft import get_peft_model
 
     config = _lora_config(r, alpha, target_modules)
-    with torch.random.fork_rng():
+    with torch.random.fork_rng(), _named_targets(model, target_modules):
         torch.manual_seed(seeds[0])
         peft_model = get_peft_model(model, config, adapter_name=names[0])
     for name, seed in zip(names[1:], seeds[1:]):

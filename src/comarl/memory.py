@@ -98,6 +98,8 @@ def model_size(
             model = get_peft_model(model, adapter)
         elif lora is not None:
             model = add_lora(model, *lora)
+    except ConfigError:  # lora_target_modules that match nothing: stop before any weights load
+        raise
     except Exception:  # the check is advisory; never stop a run that loading would let through
         return None
     parameters = sum(p.numel() for p in model.parameters())
