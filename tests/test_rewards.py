@@ -221,13 +221,33 @@ def test_too_few_positional_parameters_raise_at_construction():
 
     with pytest.raises(
         RewardFunctionError,
-        match=r"reward function 'lonely' takes 1 positional argument\(s\) but the team has 2",
+        match=r"reward function 'lonely' takes 1 positional argument\(s\) but the team has 2 agent\(s\): it must "
+        r"accept one list of completions per agent, e.g. def lonely\(completions_0, completions_1, prompts=None\), "
+        r"or def lonely\(\*completions\)$",
     ):
         FunctionEnv(lonely, FORMATTERS, num_agents=2)
     with pytest.raises(RewardFunctionError, match=r"'lonely'.*positional"):
         RewardFunction(lonely, "lonely", num_agents=2)
     # *args takes any number of agents
     RewardFunction(lambda *completions: [0.0], "star", num_agents=3)
+
+
+def test_prompts_among_the_completion_parameters_raise_at_construction():
+    """CoMLRL's f(prompts, a, b) would get agent 0's completions as ``prompts``: refused, with the fix."""
+
+    def prompts_first(prompts, a, b):
+        return [0.0]
+
+    with pytest.raises(
+        RewardFunctionError,
+        match=r"reward function 'prompts_first': its parameter 'prompts' is one of the first 2 positional parameters, "
+        r"which take the agents' completions; put it after them, e.g. def prompts_first\(completions_0, "
+        r"completions_1, prompts=None\)$",
+    ):
+        FunctionEnv(prompts_first, FORMATTERS, num_agents=2)
+    RewardFunction(
+        lambda a, b, prompts: [0.0], "after", num_agents=2
+    )  # after the completions it is a keyword
 
 
 # ----------------------------------------------------------------------------- per-agent rewards

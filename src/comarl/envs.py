@@ -184,11 +184,22 @@ class RewardFunction:
         params = list(signature.parameters.values())
         positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
         takes_varargs = any(p.kind == p.VAR_POSITIONAL for p in params)
+        example = (
+            f"def {self.name}({', '.join(f'completions_{i}' for i in range(self.num_agents))}, prompts=None)"
+        )
         if len(positional) < self.num_agents and not takes_varargs:
+            # (CoMLRL calls a one-parameter function with the list of the agents' lists.)
             raise RewardFunctionError(
                 f"reward function {self.name!r} takes {len(positional)} positional argument(s) but the team has "
-                f"{self.num_agents} agent(s): it must accept one list of completions per agent, e.g. "
-                f"def {self.name}({', '.join(f'completions_{i}' for i in range(self.num_agents))}, **kwargs)"
+                f"{self.num_agents} agent(s): it must accept one list of completions per agent, e.g. {example}, "
+                f"or def {self.name}(*completions)"
+            )
+        taken = [p.name for p in positional[: self.num_agents] if p.name in ("prompts", "batch_items")]
+        if taken:
+            # CoMLRL passes the prompts first to f(prompts, a, b); here they would receive agent 0's completions.
+            raise RewardFunctionError(
+                f"reward function {self.name!r}: its parameter {taken[0]!r} is one of the first {self.num_agents} "
+                f"positional parameters, which take the agents' completions; put it after them, e.g. {example}"
             )
         self._takes_all = any(p.kind == p.VAR_KEYWORD for p in params)
         # A column named like a completion parameter (trl-lib/tldr's "completion") would be passed twice.
