@@ -617,6 +617,22 @@ def test_team_errors(qwen_bpe):
         MAREINFORCETrainer(model=qwen_bpe, train_dataset=DATA, reward_func=length_reward, args=MAGRPOConfig())
 
 
+def test_a_streaming_dataset_is_refused_naming_the_fix(qwen_bpe):
+    from datasets import Dataset
+
+    streamed = Dataset.from_list(DATA).to_iterable_dataset()
+    for name, data in (
+        ("train_dataset", {"train_dataset": streamed}),
+        ("eval_dataset", {"eval_dataset": streamed}),
+    ):
+        with pytest.raises(
+            ConfigError,
+            match=rf"^{name}: IterableDataset has no length or indexing \(a streaming dataset\?\); give a "
+            r"datasets.Dataset \(load_dataset without streaming=True\) or a list of dicts$",
+        ):
+            MAGRPOTrainer(model=qwen_bpe, reward_func=length_reward, **{"train_dataset": DATA, **data})
+
+
 def test_reward_error_stops_the_run_naming_function_and_item(qwen_bpe):
     def picky(a, b, prompt):
         return [float("nan") if p == "alice and bob" else 1.0 for p in prompt]

@@ -136,6 +136,13 @@ class MAGRPOTrainer:
             raise ConfigError(
                 f"{type(self).__name__}: train_dataset is required (a datasets.Dataset or a list of dicts)"
             )
+        for name, data in (("train_dataset", train_dataset), ("eval_dataset", eval_dataset)):
+            if data is not None and not (hasattr(data, "__len__") and hasattr(data, "__getitem__")):
+                # An epoch's permutation and the step count need the size; evaluation picks items by index.
+                raise ConfigError(
+                    f"{name}: {type(data).__name__} has no length or indexing (a streaming dataset?); give a "
+                    "datasets.Dataset (load_dataset without streaming=True) or a list of dicts"
+                )
         args.check_team(n, len(train_dataset))
         # Each agent's view of the config: the shared values with its agent_settings applied.
         self.agent_args = [args.for_agent(i) for i in range(n)]
