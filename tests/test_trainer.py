@@ -696,6 +696,55 @@ def test_agents_generate_concurrently_when_given_a_pool():
         ]
 
 
+@pytest.mark.parametrize("trainer_name", ["MAGRPO", "IPPO"])
+def test_agents_with_devices_of_their_own_update_at_the_same_time_to_the_same_weights(
+    qwen_bpe, llama_word, trainer_name
+):
+    """With a pool (agents on accelerators of their own: here forced on the CPU) the agents' updates overlap, and
+    the team ends with the weights of one-after-another updates."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    import comarl
+
+    trainer_cls, config_cls = (
+        getattr(comarl, f"{trainer_name}Trainer"),
+        getattr(comarl, f"{trainer_name}Config"),
+    )
+    update = "update_agents" if trainer_name == "MAGRPO" else "update_actor"
+
+    def trained(pool):
+        trainer = trainer_cls(
+            agents=[qwen_bpe, llama_word],
+            train_dataset=DATA,
+            reward_func=length_reward,
+            args=config_cls(
+                prompts_per_step=2,
+                num_generations=3,
+                max_new_tokens=6,
+                max_steps=2,
+                progress_bar=False,
+                seed=3,
+            ),
+        )
+        if pool is not None:
+            barrier, original = threading.Barrier(2, timeout=10), getattr(trainer, update)
+
+            def waiting(*args):
+                barrier.wait()  # returns only while both agents are updating
+                return original(*args)
+
+            setattr(trainer, update, waiting)
+            trainer.pool = pool
+        trainer.train()
+        return [{k: v.clone() for k, v in agent.model.state_dict().items()} for agent in trainer.team]
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        together = trained(pool)
+    for mine, theirs in zip(together, trained(None)):
+        assert mine.keys() == theirs.keys() and all(torch.equal(mine[k], theirs[k]) for k in mine)
+
+
 # ---------------------------------------------------------------------------- the update against hand-written math
 
 

@@ -231,10 +231,18 @@ class ActorCriticTrainer(MAGRPOTrainer):
             advantages.append(self._whitened(adv) if args.whiten_advantages else adv)
             value_targets.append(credited.flatten())
 
-        for i in self.learning_agents():  # a frozen agent's value head (if any) stays as it is too
-            old_values = node_values[:, i].repeat_interleave(G)
-            stats = self.update_actor(i, rollout.generations[i], advantages[i], value_targets[i], old_values)
-            stats["explained_variance"] = explained_variance(*self._everywhere(old_values, value_targets[i]))
+        learning = self.learning_agents()  # a frozen agent's value head (if any) stays as it is too
+        old_values = [node_values[:, i].repeat_interleave(G) for i in range(self.num_agents)]
+        updated = self.each_agent(
+            lambda i: self.update_actor(
+                i, rollout.generations[i], advantages[i], value_targets[i], old_values[i]
+            ),
+            learning,
+        )
+        for i, stats in zip(learning, updated):
+            stats["explained_variance"] = explained_variance(
+                *self._everywhere(old_values[i], value_targets[i])
+            )
             metrics.update({f"agent_{i}/{k}": v for k, v in stats.items()})
         for c, critic in enumerate(self.critics):
             if critic is None:

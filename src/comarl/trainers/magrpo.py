@@ -281,7 +281,7 @@ class MAGRPOTrainer:
             agent.generator = torch.Generator(agent.device).manual_seed(args.seed + 200 + i + 1000 * shard)
         self.engine = HFEngine(bf16=args.bf16)
         distinct = {str(self.team[i].device) for i in self.local}
-        # Agents on separate accelerators generate concurrently; on one device they take turns.
+        # Agents on separate accelerators generate and update concurrently; on one device they take turns.
         self.pool = (
             ThreadPoolExecutor(max_workers=n)
             if self.parallel is None and n > 1 and len(distinct) == n and "cpu" not in distinct
@@ -553,12 +553,14 @@ class MAGRPOTrainer:
                 # A completion with advantage 0 teaches nothing (all G samples of its group scored the same): at 1.0
                 # the policy loss and its gradient are 0, which is the usual reason a run "does not learn".
                 metrics[f"agent_{i}/zero_advantage_fraction"] = zero
-        # Agents with their own weights update one by one; agents sharing one model (share_weights) together.
+        # Agents with their own weights update each on its own; agents sharing one model (share_weights) together.
         groups = [learning] if args.share_weights and learning else [[i] for i in learning]
-        for group in groups:
-            updated = self.update_agents(
+        for updated in self.each_agent(
+            lambda group: self.update_agents(
                 group, {i: rollout.generations[i] for i in group}, {i: advantages[i] for i in group}
-            )
+            ),
+            groups,
+        ):
             for i, stats in updated.items():
                 metrics.update({f"agent_{i}/{k}": v for k, v in stats.items()})
         # every process reports every agent's update metrics
@@ -745,6 +747,15 @@ class MAGRPOTrainer:
             totals["loss"] += float(loss.detach())
             totals["clip_fraction"] += float((clipped * mask).sum()) / max(num_tokens, 1)
         return totals
+
+    def each_agent(self, work: Callable[[Any], Any], jobs: Sequence[Any]) -> list[Any]:
+        """``[work(job) for job in jobs]`` (one job per agent's update): the jobs run at the same time when the agents
+        have accelerators of their own (``self.pool``, which their generate calls share), one after another
+        otherwise. Never at the same time under data parallelism, whose collectives must run in one order on every
+        process."""
+        if self.pool is None or self.data is not None or len(jobs) < 2:
+            return [work(job) for job in jobs]
+        return list(self.pool.map(work, jobs))
 
     def learning_agents(self) -> list[int]:
         """The agents this process updates at the current step (:meth:`learners_at`)."""
