@@ -12,7 +12,7 @@ For one epoch's prompts (in steps of 1 or 8 prompts, G = 4 samples each, 32 new 
 Variants run interleaved, ``--repeats`` times; the table gives the median CPU seconds per epoch
 (CPU time is steadier than wall time on a shared machine) and the speed-up over the first variant::
 
-    python benchmarks/ablations.py --workload benchmarks/.workload --repeats 3
+    python benchmarks/ablations.py --repeats 3     # builds benchmarks/.workload first if it is missing
 """
 
 from __future__ import annotations
@@ -23,8 +23,10 @@ import os
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 
 from common import NEW_TOKENS, NUM_GENERATIONS, load_prompts, model_path
+from workload import build_workload
 
 
 def timed(fn: Callable[[], object]) -> float:
@@ -36,11 +38,12 @@ def timed(fn: Callable[[], object]) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--workload", required=True)
+    parser.add_argument("--workload", default=str(Path(__file__).parent / ".workload"))
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--prompts", type=int, default=None)
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
+    build_workload(args.workload)  # the benchmark's model and prompts (reused when already built)
     os.environ["OMP_NUM_THREADS"] = str(args.threads)
     import torch
     from transformers import GenerationConfig

@@ -615,6 +615,13 @@ def test_team_errors(qwen_bpe):
         )
     with pytest.raises(ConfigError, match="needs args=MAREINFORCEConfig"):
         MAREINFORCETrainer(model=qwen_bpe, train_dataset=DATA, reward_func=length_reward, args=MAGRPOConfig())
+    model = AutoModelForCausalLM.from_pretrained(qwen_bpe)
+    with pytest.raises(
+        ConfigError,
+        match=r"^agent 1 is a model object \(Qwen2ForCausalLM\) without a tokenizer: give tokenizer= \(one for the "
+        r"team, or a list with one per agent\); only a hub id or a path loads its own$",
+    ):
+        MAGRPOTrainer(agents=[qwen_bpe, model], train_dataset=DATA, reward_func=length_reward)
 
 
 def test_a_streaming_dataset_is_refused_naming_the_fix(qwen_bpe):

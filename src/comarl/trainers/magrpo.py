@@ -132,6 +132,13 @@ class MAGRPOTrainer:
             model, agent_model, agents, team, num_agents if num_agents is not None else args.num_agents
         )
         n = len(sources)
+        for i, source in enumerate(sources):
+            own = tokenizer[i] if isinstance(tokenizer, (list, tuple)) and i < len(tokenizer) else tokenizer
+            if not isinstance(source, (str, Path, Agent)) and own is None:
+                raise ConfigError(
+                    f"agent {i} is a model object ({type(source).__name__}) without a tokenizer: give tokenizer= (one "
+                    "for the team, or a list with one per agent); only a hub id or a path loads its own"
+                )
         if train_dataset is None:
             raise ConfigError(
                 f"{type(self).__name__}: train_dataset is required (a datasets.Dataset or a list of dicts)"
