@@ -6,7 +6,7 @@ import math
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
@@ -76,6 +76,21 @@ class Generation:
             self.prompts,
             self.completions,
         )
+
+
+class Engine(Protocol):
+    """What the rollout and evaluation need of a generation backend (:class:`HFEngine` is the one built in).
+
+    It returns token ids and masks, not log-probs: the trainer scores the samples itself, in the training
+    precision and without the sampling filters (top-k / top-p), and only when the loss needs them, so that the
+    first PPO ratio is exactly 1 (a sampler's own log-probs under bf16, a KV cache or filtering would not be).
+    """
+
+    def generate(
+        self, agent: Agent, prompts: Sequence[Prompt], num_generations: int, params: SamplingParams
+    ) -> Generation:
+        """``len(prompts) x num_generations`` completions of ``agent``, prompt-major (see :class:`Generation`)."""
+        ...
 
 
 class HFEngine:

@@ -29,7 +29,7 @@ import torch
 
 from comarl.agents import Agent
 from comarl.config import ConfigError
-from comarl.engines import HFEngine, SamplingParams
+from comarl.engines import Engine, HFEngine, SamplingParams
 from comarl.envs import Env
 from comarl.rollout import Rollout, collect
 from comarl.tracking import json_ready  # the one rule for NaN in JSON output, shared with metrics.jsonl
@@ -259,7 +259,7 @@ def play_episodes(
     env: Env,
     agents: Sequence[Agent],
     items: Sequence[Mapping[str, Any]],
-    engine: HFEngine,
+    engine: Engine,
     num_samples: int,
     params: SamplingParams,
     num_turns: int,
@@ -297,7 +297,7 @@ def play_pipeline(
     env: Env,
     agents: Sequence[Agent],
     items: Sequence[Mapping[str, Any]],
-    engine: HFEngine,
+    engine: Engine,
     num_samples: int,
     params: SamplingParams,
     pipeline_prompt: Callable[[Mapping[str, Any], str], str],

@@ -13,7 +13,7 @@ import torch
 
 from comarl.agents import Agent
 from comarl.algorithms import cross_returns
-from comarl.engines import Generation, HFEngine, SamplingParams, concat_generations
+from comarl.engines import Engine, Generation, SamplingParams, concat_generations
 from comarl.envs import Env, StepResult, short_repr
 
 if TYPE_CHECKING:
@@ -100,7 +100,7 @@ def joint_action_indices(
 
 
 def generate_all(
-    engine: HFEngine,
+    engine: Engine,
     agents: Sequence[Agent],
     prompts: Sequence[Sequence[Any]],
     num_generations: int,
@@ -122,7 +122,7 @@ def generate_all(
 def keep_in_step(
     shards: Processes | None,
     pending: bool,
-    engine: HFEngine,
+    engine: Engine,
     agents: Sequence[Agent],
     placeholder: Sequence[Any],
     params: Sequence[SamplingParams],
@@ -148,7 +148,7 @@ def collect(
     agents: Sequence[Agent],
     items: Sequence[Any],
     *,
-    engine: HFEngine,
+    engine: Engine,
     num_generations: int,
     params: Sequence[SamplingParams],
     joint_mode: str = "aligned",
@@ -334,7 +334,7 @@ def greedy_returns(
     agents: Sequence[Agent],
     rollout: Rollout,
     *,
-    engine: HFEngine,
+    engine: Engine,
     params: Sequence[SamplingParams],
     num_turns: int = 1,
     discount: float = 1.0,
