@@ -2,6 +2,12 @@
 
 from __future__ import annotations
 
+import os
+
+# No test may reach the network (DESIGN): hub and dataset loads that are not local fail at once, not after a timeout.
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
+
 import pytest
 import torch
 
