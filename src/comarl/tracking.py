@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 METRICS_FILE = "metrics.jsonl"
 SAMPLES_FILE = "samples.jsonl"
 PLOT_FILE = "plot.png"
+CONFIG_FILE = "config.yaml"
 LIVE_KEYS = ("reward", "success")
 
 
@@ -227,6 +228,13 @@ class RunLogger:
         traceback: TracebackType | None,
     ) -> None:
         self.close(failed=exc_type is not None)
+
+
+def write_run_config(run_dir: str | Path, config: dict[str, Any]) -> None:
+    """Write ``config`` (plain values: the trainer, its agents, its args) as ``run_dir/config.yaml``."""
+    import yaml
+
+    (Path(run_dir) / CONFIG_FILE).write_text(yaml.safe_dump(config, sort_keys=False))
 
 
 def read_metrics(path: str | Path) -> list[dict]:

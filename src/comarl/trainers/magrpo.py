@@ -450,7 +450,7 @@ class MAGRPOTrainer:
             save_checkpoint,
             truncate_log,
         )
-        from comarl.tracking import METRICS_FILE, SAMPLES_FILE, RunLogger
+        from comarl.tracking import METRICS_FILE, SAMPLES_FILE, RunLogger, write_run_config
 
         args = self.args
         run_dir = Path(args.output_dir) if args.output_dir else None
@@ -476,7 +476,12 @@ class MAGRPOTrainer:
             for name in (METRICS_FILE, SAMPLES_FILE):
                 truncate_log(run_dir / name, self.step)
             run_dir.mkdir(parents=True, exist_ok=True)
-            self._write_config(run_dir)
+            agents = [
+                {"source": a.source, "role": a.role, "learning_rate": a.learning_rate} for a in self.team
+            ]
+            write_run_config(
+                run_dir, {"trainer": type(self).__name__, "agents": agents, "args": args.to_dict()}
+            )
         last: dict[str, float] = {}
         with RunLogger(
             run_dir if writer else None,
@@ -1123,18 +1128,6 @@ class MAGRPOTrainer:
                 )
             )
         return sinks
-
-    def _write_config(self, run_dir: Path) -> None:
-        import yaml
-
-        config = {
-            "trainer": type(self).__name__,
-            "agents": [
-                {"source": a.source, "role": a.role, "learning_rate": a.learning_rate} for a in self.team
-            ],
-            "args": self.args.to_dict(),
-        }
-        (run_dir / "config.yaml").write_text(yaml.safe_dump(config, sort_keys=False))
 
 
 class MAREINFORCETrainer(MAGRPOTrainer):
