@@ -10,7 +10,7 @@ import pytest
 from comarl import Agent, MAGRPOConfig, MAGRPOTrainer, Team
 from comarl.sandbox import SandboxLimits
 from comarl.tasks import code
-from comarl.tasks.code import CodeEnv, build_program, extract_code, load_items, mbpp_item
+from comarl.tasks.code import CodeCollabEnv, build_program, extract_code, load_items, mbpp_item
 
 pytestmark = pytest.mark.skipif(os.name != "posix", reason="the sandbox supports POSIX systems only")
 
@@ -48,12 +48,12 @@ ALONE_0 = """def has_close_elements(numbers, threshold):
 
 @pytest.fixture(scope="module")
 def env():  # noqa: ANN201
-    environment = CodeEnv(num_agents=2, limits=LIMITS, max_workers=2)
+    environment = CodeCollabEnv(num_agents=2, limits=LIMITS, max_workers=2)
     yield environment
     environment.close()
 
 
-def play(environment: CodeEnv, item: dict, *completions: str):  # noqa: ANN201
+def play(environment: CodeCollabEnv, item: dict, *completions: str):  # noqa: ANN201
     environment.reset(item)
     return environment.step(list(completions))
 
@@ -157,7 +157,7 @@ def test_feedback_locates_errors_in_the_agents_code(env):
 
 
 def test_a_slow_check_times_out_and_later_checks_are_not_run():
-    environment = CodeEnv(num_agents=2, limits=LIMITS, check_timeout_s=0.5)
+    environment = CodeCollabEnv(num_agents=2, limits=LIMITS, check_timeout_s=0.5)
     try:
         result = play(
             environment, TWO, "def aux(x):\n    return x", "def truncate_number(n):\n    while True: pass"
@@ -331,7 +331,7 @@ def test_a_name_rebound_between_asserts_keeps_its_value_for_each_check():
     item = {"task_id": "T/0", "prompt": "def double(xs):\n", "entry_point": "double", "test": (
         "def check(candidate):\n    xs = [1]\n    assert candidate(xs) == [1, 1]\n"
         "    xs = [2]\n    assert candidate(xs) == [2, 2]\n")}  # fmt: skip
-    single = CodeEnv(num_agents=1, limits=LIMITS)
+    single = CodeCollabEnv(num_agents=1, limits=LIMITS)
     try:
         result = play(single, item, "def double(xs):\n    return xs * 2\n")
     finally:
@@ -374,7 +374,7 @@ def test_checks_split_into_asserts_or_fall_back_to_all_or_nothing():
 def test_prompt_context_is_kept_for_problems_that_need_it():
     """HumanEval/38's test calls encode_cyclic, defined in the prompt, not by the agents."""
     item = ITEMS["HumanEval/38"]
-    single = CodeEnv(num_agents=1, limits=LIMITS)
+    single = CodeCollabEnv(num_agents=1, limits=LIMITS)
     try:
         result = play(
             single, item, "def decode_cyclic(s: str):\n    return encode_cyclic(encode_cyclic(s))\n"
@@ -388,7 +388,7 @@ def test_prompt_context_is_kept_for_problems_that_need_it():
 
 
 def test_multi_turn_feedback_then_revision():
-    environment = CodeEnv(num_agents=2, num_turns=2, limits=LIMITS)
+    environment = CodeCollabEnv(num_agents=2, num_turns=2, limits=LIMITS)
     try:
         prompts = environment.reset(TWO)
         helper, wrong = "def aux(x):\n    return x % 1.0", "def truncate_number(number):\n    return number"
@@ -420,7 +420,7 @@ def test_multi_turn_feedback_then_revision():
 
 
 def test_single_agent_variant_and_body_only_completions():
-    single = CodeEnv(num_agents=1, limits=LIMITS)
+    single = CodeCollabEnv(num_agents=1, limits=LIMITS)
     try:
         assert single.reset(TWO) == [code.single_prompt(TWO)]
         full = single.step(["def truncate_number(number):\n    return number % 1.0"])
@@ -456,29 +456,30 @@ def test_step_many_runs_the_whole_batch_in_one_sandbox_call(env, monkeypatch):
 
 
 def test_bad_input_is_named():
-    with pytest.raises(ValueError, match=r"CodeEnv: num_agents=3; use 2 \(helper \+ main\) or 1"):
-        CodeEnv(num_agents=3)
-    with pytest.raises(ValueError, match=r"CodeEnv: weights has keys \['tests'\]"):
-        CodeEnv(weights={"tests": 1.0})
+    with pytest.raises(ValueError, match=r"CodeCollabEnv: num_agents=3; use 2 \(helper \+ main\) or 1"):
+        CodeCollabEnv(num_agents=3)
+    with pytest.raises(ValueError, match=r"CodeCollabEnv: weights has keys \['tests'\]"):
+        CodeCollabEnv(weights={"tests": 1.0})
     negative = {
         "defined": 0.5,
         "syntax": 0.5,
         "tests": 1.0,
         "helper_used": -1.0,
     }  # sums to 1, but a total < 0
-    with pytest.raises(ValueError, match=r"CodeEnv: weights .* must be numbers >= 0 that sum to 1"):
-        CodeEnv(weights=negative)
+    with pytest.raises(ValueError, match=r"CodeCollabEnv: weights .* must be numbers >= 0 that sum to 1"):
+        CodeCollabEnv(weights=negative)
     # 0 would switch the per-check timer off (setitimer(0)); a negative one fails every check
     for bad in (0, -1.0, float("nan")):
         with pytest.raises(
-            ValueError, match=r"CodeEnv: check_timeout_s=.*; give a positive number of seconds"
+            ValueError, match=r"CodeCollabEnv: check_timeout_s=.*; give a positive number of seconds"
         ):
-            CodeEnv(check_timeout_s=bad)
-    with pytest.raises(ValueError, match=r"CodeEnv: limits.processes=2; give at least 3"):
-        CodeEnv(limits=SandboxLimits(processes=2))  # the harness and the team's program are two processes
-    environment = CodeEnv(num_agents=2, limits=LIMITS)
+            CodeCollabEnv(check_timeout_s=bad)
+    with pytest.raises(ValueError, match=r"CodeCollabEnv: limits.processes=2; give at least 3"):
+        # the harness and the team's program are two processes
+        CodeCollabEnv(limits=SandboxLimits(processes=2))
+    environment = CodeCollabEnv(num_agents=2, limits=LIMITS)
     try:
-        with pytest.raises(KeyError, match=r"CodeEnv.reset: the item lacks \['entry_point', 'test'\]"):
+        with pytest.raises(KeyError, match=r"CodeCollabEnv.reset: the item lacks \['entry_point', 'test'\]"):
             environment.reset({"prompt": "def f():"})
         environment.reset(TWO)
         with pytest.raises(ValueError, match=r"joint action 0 of episode 0 has 1 completions; expected 2"):
@@ -534,7 +535,7 @@ def test_mbpp_record_becomes_a_humaneval_item():
     full = {"task_id": 7, "text": "Add one.", "code": "def inc(x):\n    return x + 1", "test_setup_code": "import os",
             "test_list": ["assert inc(1) == 2"], "challenge_test_list": []}  # fmt: skip
     assert mbpp_item(full)["test"] == "import os\n\ndef check(candidate):\n    assert inc(1) == 2\n"
-    single = CodeEnv(num_agents=1, limits=LIMITS)
+    single = CodeCollabEnv(num_agents=1, limits=LIMITS)
     try:
         assert play(single, item, record["code"]).info["success"] is True
     finally:
@@ -573,8 +574,8 @@ def test_extract_code_and_prompts():
 # ---------------------------------------------------------------------------- a few training steps
 
 
-class ScriptedCodeEnv(CodeEnv):
-    """CodeEnv whose code comes from a script keyed by the sampled completion, so random tiny models (whose text
+class ScriptedCodeEnv(CodeCollabEnv):
+    """CodeCollabEnv whose code comes from a script keyed by the sampled completion, so random tiny models (whose text
     never compiles) still exercise the sandbox: an even-length main completion gives a correct solution."""
 
     solutions = {
@@ -648,7 +649,7 @@ def test_cli_trains_a_tiny_team_on_humaneval(tmp_path, capsys, monkeypatch):
     from comarl.cli import main
 
     closed = []  # comarl train never closed the env it built: the sandbox pool's threads stayed
-    monkeypatch.setattr(code.CodeEnv, "close", lambda self: closed.append(self))
+    monkeypatch.setattr(code.CodeCollabEnv, "close", lambda self: closed.append(self))
     paths = code.build_team(tmp_path / "team", seed=0)
     spec = tmp_path / "run.yaml"
     spec.write_text(

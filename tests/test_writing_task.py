@@ -83,7 +83,7 @@ def test_split_parts_on_the_marker_line():
 
 def test_env_two_agents_one_agent_and_errors():
     item = writing.load_items("eval")[0]
-    env = writing.WritingEnv()
+    env = writing.WritingCollabEnv()
     prompts = env.reset(item)
     assert prompts == [writing.agent_prompt(item, 0), writing.agent_prompt(item, 1)]
     assert item["post"] in prompts[0] and prompts[0].endswith("TL;DR:") and prompts[1].endswith("Expansion:")
@@ -92,26 +92,26 @@ def test_env_two_agents_one_agent_and_errors():
     assert result.components == expected and result.rewards == [expected["total"]] * 2
     assert result.done and result.info == {"success": True, "words": [10, 25]}
 
-    single = writing.WritingEnv(num_agents=1)
+    single = writing.WritingCollabEnv(num_agents=1)
     assert single.reset(item) == [writing.single_prompt(item)]
     one = single.step([f"{SUMMARY}\n---\n{EXPANSION}"])
     assert one.rewards == [expected["total"]] and one.info["success"]
     assert single.step([SUMMARY]).info == {"success": False, "words": [10, 0]}
 
-    abstract = writing.WritingEnv(style="abstract")
+    abstract = writing.WritingCollabEnv(style="abstract")
     assert abstract.reset(item)[1].endswith("Method:")
     # 10 words of background (bounds [20, 60]): 10/20; 25 words of method (bounds [30, 120]): 25/30
     assert abstract.step([SUMMARY, EXPANSION]).components["structure"] == pytest.approx((0.5 + 25 / 30) / 2)
 
     with pytest.raises(ValueError, match="num_agents=3; the writing task has 2 parts"):
-        writing.WritingEnv(num_agents=3)
+        writing.WritingCollabEnv(num_agents=3)
     with pytest.raises(ValueError, match=r"weights has keys \['total'\]"):
-        writing.WritingEnv(weights={"total": 1.0})
+        writing.WritingCollabEnv(weights={"total": 1.0})
     doubled = {name: 2 * w for name, w in writing.DEFAULT_WEIGHTS.items()}  # full marks would be 2.0
-    with pytest.raises(ValueError, match=r"WritingEnv: weights .* must be numbers >= 0 that sum to 1"):
-        writing.WritingEnv(weights=doubled)
+    with pytest.raises(ValueError, match=r"WritingCollabEnv: weights .* must be numbers >= 0 that sum to 1"):
+        writing.WritingCollabEnv(weights=doubled)
     with pytest.raises(ValueError, match="style='poem'"):
-        writing.WritingEnv(style="poem")
+        writing.WritingCollabEnv(style="poem")
     with pytest.raises(ValueError, match="num_turns=2: the writing task is single-turn"):
         writing.make_env(2, 2)
 
@@ -175,7 +175,7 @@ def test_two_training_steps_offline(tmp_path):
     trainer = MAGRPOTrainer(
         agents=[str(p) for p in paths],
         train_dataset=writing.load_items("train"),
-        env=writing.WritingEnv(),
+        env=writing.WritingCollabEnv(),
         args=MAGRPOConfig(
             max_steps=2, prompts_per_step=2, num_generations=2, max_new_tokens=6, progress_bar=False
         ),

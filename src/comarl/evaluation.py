@@ -86,7 +86,7 @@ def task_protocol(task: str) -> TaskProtocol:
         from comarl.tasks import code
 
         def code_env(num_agents: int, num_turns: int) -> Env:
-            return code.CodeEnv(num_agents=num_agents, num_turns=num_turns)
+            return code.CodeCollabEnv(num_agents=num_agents, num_turns=num_turns)
 
         return TaskProtocol(code.load_items, "humaneval", "task_id", code_env, code.pipeline_prompt)
     raise ConfigError(f"task={task!r} (--task): choose one of {list(TASKS)}")

@@ -1,6 +1,6 @@
 """Code collaboration on HumanEval: a helper writes an auxiliary function, the main agent the entry point.
 
-One joint action, top to bottom (``CodeEnv.step_many`` does this for a whole batch at once):
+One joint action, top to bottom (``CodeCollabEnv.step_many`` does this for a whole batch at once):
 
 1. each completion becomes code (the first ``` fenced block, if any);
 2. the team's program is joined: the problem prompt's context (imports, and any other function
@@ -43,7 +43,7 @@ from comarl.envs import Env, History, Item, StepResult, check_weights, step_in_p
 from comarl.sandbox import RunResult, SandboxLimits, SandboxPool
 
 __all__ = [
-    "CodeEnv",
+    "CodeCollabEnv",
     "WEIGHTS",
     "SINGLE_WEIGHTS",
     "load_items",
@@ -833,7 +833,7 @@ def _crash(run: RunResult, program: Program, codes: Mapping[str, str]) -> str:
 # ----------------------------------------------------------------------------- the environment
 
 
-class CodeEnv(Env):
+class CodeCollabEnv(Env):
     """HumanEval-style code collaboration as a Dec-POMDP.
 
     ``num_agents=2``: agent 0 (helper) writes ``helper_name``, agent 1 (main) the entry point;
@@ -858,12 +858,12 @@ class CodeEnv(Env):
     ) -> None:
         if num_agents not in (1, 2):
             raise ValueError(
-                f"CodeEnv: num_agents={num_agents!r}; use 2 (helper + main) or 1 (one agent writes all)"
+                f"CodeCollabEnv: num_agents={num_agents!r}; use 2 (helper + main) or 1 (one agent writes all)"
             )
         if num_turns < 1:
-            raise ValueError(f"CodeEnv: num_turns={num_turns!r}; give at least 1")
+            raise ValueError(f"CodeCollabEnv: num_turns={num_turns!r}; give at least 1")
         if not helper_name.isidentifier():
-            raise ValueError(f"CodeEnv: helper_name={helper_name!r} is not a Python identifier")
+            raise ValueError(f"CodeCollabEnv: helper_name={helper_name!r} is not a Python identifier")
         # 0 would switch the harness's per-check timer off (setitimer(0)); a negative one fails every check
         if not (
             isinstance(check_timeout_s, (int, float))
@@ -871,16 +871,16 @@ class CodeEnv(Env):
             and check_timeout_s > 0
         ):
             raise ValueError(
-                f"CodeEnv: check_timeout_s={check_timeout_s!r}; give a positive number of seconds"
+                f"CodeCollabEnv: check_timeout_s={check_timeout_s!r}; give a positive number of seconds"
             )
         if limits is not None and limits.processes < 3:
             raise ValueError(
-                f"CodeEnv: limits.processes={limits.processes}; give at least 3 (each run is two processes, "
+                f"CodeCollabEnv: limits.processes={limits.processes}; give at least 3 (each run is two processes, "
                 "the harness and the team's program, and the sandbox's unshare counts too)"
             )
         default = WEIGHTS if num_agents == 2 else SINGLE_WEIGHTS
         if weights is not None:
-            check_weights("CodeEnv", weights, default)
+            check_weights("CodeCollabEnv", weights, default)
         self.num_agents = num_agents
         self.num_turns = num_turns
         self.limits = SandboxLimits() if limits is None else limits
@@ -918,7 +918,7 @@ class CodeEnv(Env):
         missing = [k for k in ("prompt", "entry_point", "test") if k not in item]
         if missing:
             raise KeyError(
-                f"CodeEnv.reset: the item lacks {missing} (it has {sorted(item)}); use load_items()"
+                f"CodeCollabEnv.reset: the item lacks {missing} (it has {sorted(item)}); use load_items()"
             )
         self.item = item
         self.turn = 0
@@ -937,12 +937,14 @@ class CodeEnv(Env):
         """Score every joint action of every episode; all programs that compile run in one ``run_many``."""
         jobs = []
         for e, (episode, actions) in enumerate(zip(episodes, joint_actions)):
-            if not isinstance(episode, CodeEnv) or not episode.first_prompts:
-                raise ValueError(f"CodeEnv.step_many: episode {e} is not a CodeEnv after reset(item)")
+            if not isinstance(episode, CodeCollabEnv) or not episode.first_prompts:
+                raise ValueError(
+                    f"CodeCollabEnv.step_many: episode {e} is not a CodeCollabEnv after reset(item)"
+                )
             for k, action in enumerate(actions):
                 if len(action) != self.num_agents:
                     raise ValueError(
-                        f"CodeEnv.step_many: joint action {k} of episode {e} has {len(action)} completions; "
+                        f"CodeCollabEnv.step_many: joint action {k} of episode {e} has {len(action)} completions; "
                         f"expected {self.num_agents} (one per agent)"
                     )
                 codes = self.codes(episode.item, action)
@@ -972,7 +974,7 @@ class CodeEnv(Env):
         codes[writer] = _complete_function(codes[writer], item)
         return codes
 
-    def _result(self, episode: CodeEnv, action: Sequence[str], outcome: Outcome) -> StepResult:
+    def _result(self, episode: CodeCollabEnv, action: Sequence[str], outcome: Outcome) -> StepResult:
         """The StepResult of one joint action, with its branch (the episode after this turn)."""
         branch = copy.copy(episode)
         branch.turn = episode.turn + 1

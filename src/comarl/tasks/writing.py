@@ -224,7 +224,7 @@ def _style(name: str) -> WritingStyle:
 # ----------------------------------------------------------------------------- environment
 
 
-class WritingEnv(Env):
+class WritingCollabEnv(Env):
     """Two agents (or one writing both parts) on one item; one shared reward with logged components.
 
     ``num_agents=2``: agent 0 writes part 0, agent 1 part 1 (see :func:`agent_prompt`).
@@ -237,11 +237,11 @@ class WritingEnv(Env):
     ) -> None:
         if num_agents not in (1, 2):
             raise ValueError(
-                f"WritingEnv: num_agents={num_agents}; the writing task has 2 parts: use 2 agents, or 1 agent "
+                f"WritingCollabEnv: num_agents={num_agents}; the writing task has 2 parts: use 2 agents, or 1 agent "
                 "writing both parts"
             )
         weights = dict(DEFAULT_WEIGHTS if weights is None else weights)
-        check_weights("WritingEnv", weights, DEFAULT_WEIGHTS)
+        check_weights("WritingCollabEnv", weights, DEFAULT_WEIGHTS)
         self.num_agents = num_agents
         self.style = _style(style)
         self.weights = weights
@@ -285,11 +285,11 @@ class WritingEnv(Env):
         """Nothing to release (the evaluation protocol closes every task's environment)."""
 
 
-def make_env(num_agents: int = 2, num_turns: int = 1) -> WritingEnv:
+def make_env(num_agents: int = 2, num_turns: int = 1) -> WritingCollabEnv:
     """The evaluation protocol's constructor: the writing task is single-turn."""
     if num_turns != 1:
         raise ValueError(f"num_turns={num_turns}: the writing task is single-turn; use num_turns=1")
-    return WritingEnv(num_agents=num_agents)
+    return WritingCollabEnv(num_agents=num_agents)
 
 
 # ----------------------------------------------------------------------------- data
