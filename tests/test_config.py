@@ -1,5 +1,6 @@
 """Trainer configs, CoMLRL aliases, validation messages and YAML run specs."""
 
+import re
 import subprocess
 import sys
 
@@ -127,7 +128,8 @@ def test_joint_mode_aliases(given, mode):
 
 
 def test_parallel_training_alias():
-    MAGRPOConfig(parallel_training="mp")
+    assert MAGRPOConfig(parallel_training="mp", agent_devices=["cpu", "cpu"]).agent_devices == ["cpu", "cpu"]
+    MAGRPOConfig(parallel_training=" None ")  # CoMLRL normalises case and spaces
     with pytest.raises(ConfigError, match=r"parallel_training='ddp'"):
         MAGRPOConfig(parallel_training="ddp")
 
@@ -575,16 +577,53 @@ def test_overrides_parse_errors_and_the_trainer_they_set(spec_path):
         assert load_run_spec(spec_path, overrides).trainer_args().num_mini_batches == 4
 
 
-@pytest.mark.parametrize("name", sorted(COMLRL_REFUSED))
-def test_every_refused_comlrl_field_is_a_config_error_that_says_what_to_do(name):
+# A value of each refused CoMLRL field that changes something here (CoMLRL's defaults are accepted: see
+# tests/test_comlrl_fields.py), with the settings that make it refused.
+REFUSED = {
+    "train_batch_size": (3, {}),
+    "reference_devices": (["cuda:1"], {"reference_kl_enabled": True}),
+    "critic_devices": (["cuda:0"], {}),
+    "critic_value_head_hidden_dim": (3, {}),
+    "value_head_hidden_dim": (3, {}),
+    "collaboration_mode": ("centralized", {}),
+    "use_environment_step": (False, {}),
+    "environment_steps_per_pair": (1, {}),
+    "rl_algorithm": ("iac", {}),
+    "reward_model_device": ("cuda:1", {}),
+    "reward_max_length": (512, {}),
+    "reward_freeze_backbone": (True, {}),
+    "dpo_beta": (0.2, {}),
+    "critic_model_name": ("critic", {}),
+    "critic_learning_rate": (1e-5, {}),
+    "use_separate_critic": (False, {}),
+    "critic_type": ("q", {}),
+    "value_loss_coef": (0.5, {}),
+    "value_clip_range": (0.1, {}),
+}
+
+
+def _refusals():
+    return sorted(
+        (trainer, name)
+        for trainer in TRAINERS
+        for name in config_class(trainer).comlrl_refused()
+        if name in comlrl_spellings(config_class(trainer))
+    )
+
+
+def test_every_refused_comlrl_field_has_a_refused_value_here():
+    assert {name for _, name in _refusals()} == set(REFUSED)
+    assert set(COMLRL_REFUSED) <= set(REFUSED)
+
+
+@pytest.mark.parametrize(("trainer", "name"), _refusals())
+def test_every_refused_comlrl_field_is_a_config_error_that_says_what_to_do(trainer, name):
     """MARLHF's rl_algorithm and reward_model_device (CoMLRL fields docs/preference.md lists) raised a bare
     TypeError; every refused CoMLRL field must reach the ConfigError that names the fix."""
-    classes = [config_class(t) for t in TRAINERS if name in comlrl_spellings(config_class(t))]
-    assert classes, f"no config class takes the CoMLRL spelling {name}"
-    for cls in classes:
-        annotation = str(cls.__dataclass_fields__[name].type)
-        value = (
-            "x" if "str" in annotation else True if "bool" in annotation else 2
-        )  # of the spelling's own type
-        with pytest.raises(ConfigError, match=rf"^{name}={value!r}: a CoMLRL field comarl does not take; "):
-            cls(**{name: value})
+    value, settings = REFUSED[name]
+    fix = config_class(trainer).comlrl_refused()[name].format(prompts_per_step=4)
+    with pytest.raises(
+        ConfigError, match=rf"^{name}={re.escape(repr(value))}: a CoMLRL field comarl does not take; "
+    ) as error:
+        config_class(trainer)(**{name: value}, **settings)
+    assert str(error.value).endswith(fix)

@@ -413,7 +413,8 @@ class MAGRPOConfig:
     reference_kl_coef: InitVar[float | None] = None
     parallel_training: InitVar[str | None] = None
 
-    # CoMLRL 1.4.3 fields that comarl does not take, each with what to do instead.
+    # CoMLRL 1.4.3 fields that comarl does not take: accepted at the values that change nothing here
+    # (comlrl_changes_nothing), otherwise refused with what to do instead (comlrl_refused).
     train_batch_size: InitVar[int | None] = None
     eval_batch_size: InitVar[int | None] = None
     reference_devices: InitVar[Any] = None
@@ -425,15 +426,12 @@ class MAGRPOConfig:
         self.validate()
 
     def take_comlrl_spellings(self, given: dict[str, Any]) -> None:
-        """Map the CoMLRL spellings given (``None``: not given) onto the fields; refuse the ones comarl lacks."""
+        """Map the CoMLRL spellings given (``None``: not given) onto the fields; refuse the ones comarl lacks,
+        unless their value changes nothing here."""
         for name, value in given.items():
             annotation = str(self.__dataclass_fields__[name].type).removeprefix("InitVar[").removesuffix("]")
             if not _matches(value, annotation):
                 raise ConfigError(f"{name}={value!r}: must be {_type_words(annotation)}")
-            if value is not None and name in COMLRL_REFUSED:
-                raise ConfigError(
-                    f"{name}={value!r}: a CoMLRL field comarl does not take; {COMLRL_REFUSED[name]}"
-                )
         per_device_train_batch_size = given["per_device_train_batch_size"]
         rollout_buffer_size = given["rollout_buffer_size"]
         batch_sizes = {v for v in (per_device_train_batch_size, rollout_buffer_size) if v is not None}
@@ -464,10 +462,44 @@ class MAGRPOConfig:
             if reference_kl_enabled:  # CoMLRL subtracts the KL from the returns
                 self.kl_penalty = "reward"
         parallel_training = given["parallel_training"]
-        if parallel_training not in (None, "none", "null", "mp"):
+        # CoMLRL's normalize_parallel_training: case and spaces do not matter, 'null' is 'none'
+        mode = None if parallel_training is None else parallel_training.strip().lower()
+        if mode not in (None, "none", "null", "mp"):
             raise ConfigError(
                 f"parallel_training={parallel_training!r}: use 'none' or 'mp' (or set agent_devices=)"
             )
+        if mode == "mp" and self.agent_devices is None:  # CoMLRL raises here too
+            raise ConfigError(
+                f"parallel_training={parallel_training!r} needs agent_devices= (CoMLRL: 'requires explicit "
+                "agent_devices'): give one device per agent, e.g. agent_devices=['cuda:0', 'cuda:1'], or remove "
+                "parallel_training (comarl then puts agent i on GPU i mod #GPUs)"
+            )
+        # CoMLRL's evaluate() generates one item at a time whatever eval_batch_size is: no value >= 1 changes it.
+        eval_batch_size = given["eval_batch_size"]
+        if eval_batch_size is not None and eval_batch_size < 1:
+            raise ConfigError(
+                f"eval_batch_size={eval_batch_size!r}: must be an integer >= 1 (CoMLRL's check; comarl evaluates "
+                "prompts_per_step items per batch whatever its value): remove it"
+            )
+        refused = self.comlrl_refused()
+        for name, value in given.items():
+            if value is not None and name in refused and not self.comlrl_changes_nothing(name, value):
+                fix = refused[name].format(prompts_per_step=self.prompts_per_step)
+                raise ConfigError(f"{name}={value!r}: a CoMLRL field comarl does not take; {fix}")
+
+    @classmethod
+    def comlrl_refused(cls) -> dict[str, str]:
+        """CoMLRL fields this config refuses (at values that change something): field -> what to do instead."""
+        return COMLRL_REFUSED
+
+    def comlrl_changes_nothing(self, name: str, value: Any) -> bool:
+        """Whether a refused CoMLRL field's ``value`` gives CoMLRL 1.4.3 the training comarl does (a config copied
+        whole from CoMLRL then still loads); the fields it maps onto are already set."""
+        if name == "train_batch_size":  # CoMLRL's default: the rollout buffer, one optimizer step per buffer
+            return value == self.prompts_per_step
+        if name == "reference_devices":  # CoMLRL places reference models only with reference_kl_enabled
+            return self.beta == 0
+        return name in COMLRL_DEFAULTS_CHANGING_NOTHING and value == COMLRL_DEFAULTS_CHANGING_NOTHING[name]
 
     def normalize_advantages(self, on: bool) -> None:
         """CoMLRL's ``advantage_normalization``: the MAGRPO family's group scale."""
@@ -833,7 +865,10 @@ class ActorCriticConfig(MAGRPOConfig):
         "or a copy of agent 0's model (centralized, which must read text from every agent).",
         default=None,
     )
-    critic_learning_rate: float = _help("AdamW learning rate of the critic / value head.", default=1e-4)
+    critic_learning_rate: float | None = _help(
+        "AdamW learning rate of the critic / value head; None = learning_rate (CoMLRL's IAC fallback).",
+        default=1e-4,
+    )
     value_coef: float = _help(
         "Weight of the value loss when the value head shares the agent's model (loss = policy + c * value).",
         default=0.5,
@@ -856,7 +891,8 @@ class ActorCriticConfig(MAGRPOConfig):
         default=True,
     )
 
-    # CoMLRL 1.4.3's IAC / MAAC spellings: two map onto the fields above, the others are refused with the fix.
+    # CoMLRL 1.4.3's IAC / MAAC spellings: two map onto the fields above, use_separate_critic is checked against the
+    # critic model, the others are refused with the fix.
     value_clip_range: InitVar[float | None] = None
     value_loss_coef: InitVar[float | None] = None
     use_separate_critic: InitVar[bool | None] = None
@@ -870,6 +906,35 @@ class ActorCriticConfig(MAGRPOConfig):
             self.value_clip = given["value_clip_range"]
         if given["value_loss_coef"] is not None:
             self.value_coef = given["value_loss_coef"]
+        # CoMLRL's IACConfig: None falls back to the agents' learning rate
+        if self.critic_learning_rate is None:
+            self.critic_learning_rate = self.learning_rate
+        separate = given["use_separate_critic"]
+        if separate is None:
+            return
+        # Kept on the config, so that the copy the trainer makes with its critic_model= (dataclasses.replace reads
+        # every InitVar back) checks it again, and check_team sees it.
+        self.use_separate_critic = separate
+        if separate is False and self.centralized_critic:
+            raise ConfigError(
+                "use_separate_critic=False: the centralized critic (MAAC, MAPPO) is always a model of its own "
+                "(critic_model=, default a copy of agent 0's model); remove use_separate_critic"
+            )
+        if separate is False and self.critic_model is not None:  # CoMLRL raises here too
+            raise ConfigError(
+                f"use_separate_critic=False with critic_model={self.critic_model!r}: CoMLRL refuses a critic model "
+                "then too; remove critic_model= (a value head on each agent's model) or set use_separate_critic=True"
+            )
+
+    def check_team(self, num_agents: int, dataset_size: int | None) -> None:
+        super().check_team(num_agents, dataset_size)
+        # The trainer's critic_model= has reached the config by now; CoMLRL raises without one too.
+        if self.use_separate_critic is True and not self.centralized_critic and self.critic_model is None:
+            raise ConfigError(
+                "use_separate_critic=True but no critic model was given: pass critic_model= to the trainer (as in "
+                "CoMLRL) or to the config; without one comarl puts a value head on each agent's model (CoMLRL's "
+                "use_separate_critic=False)"
+            )
 
     def normalize_advantages(self, on: bool) -> None:
         """CoMLRL's ``advantage_normalization`` of IAC / MAAC: whitening over the batch."""
@@ -1026,9 +1091,22 @@ class MADPOConfig(MAGRPOConfig):
     baseline: str = _help("MADPO uses no advantages; only 'none'.", default="none")
     scale: str = _help("MADPO uses no advantages; only 'none'.", default="none")
     preference_num_candidates: InitVar[int | None] = None
+    # CoMLRL's MADPO fields comarl refuses unless they change nothing (COMLRL_REFUSED says what to do instead).
+    collaboration_mode: InitVar[str | None] = None
+    use_environment_step: InitVar[bool | None] = None
+    environment_steps_per_pair: InitVar[int | None] = None
 
     def take_comlrl_spellings(self, given: dict[str, Any]) -> None:
-        super().take_comlrl_spellings(given)
+        # CoMLRL's MADPOConfig inherits MAGRPO's advantage fields and its MADPOTrainer never reads them: their
+        # defaults (which a config copied from CoMLRL carries) change nothing; another value asks for what neither does.
+        for name, default in (("advantage_mode", "mean"), ("advantage_normalization", True)):
+            value = given[name]
+            if value is not None and (value != default or type(value) is not type(default)):
+                raise ConfigError(
+                    f"{name}={value!r}: MADPO learns from preference pairs, not advantages (CoMLRL's MADPO ignores "
+                    f"{name} too; its default {default!r} is accepted); remove it"
+                )
+        super().take_comlrl_spellings({**given, "advantage_mode": None, "advantage_normalization": None})
         if given["preference_num_candidates"] is not None:
             self.num_generations = given["preference_num_candidates"]
 
@@ -1106,9 +1184,52 @@ class MARLHFConfig(MAGRPOConfig):
         "reward_model/ folder an earlier MARLHF run saved).",
         default=True,
     )
-    # CoMLRL spellings comarl refuses (COMLRL_REFUSED says what to do instead).
+    # CoMLRL's name for reward_model.
+    reward_model_name: InitVar[str | None] = None
+    # CoMLRL fields comarl refuses unless they change nothing (comlrl_refused says what to do instead).
     rl_algorithm: InitVar[str | None] = None
     reward_model_device: InitVar[Any] = None
+    reward_max_length: InitVar[int | None] = None
+    reward_freeze_backbone: InitVar[bool | None] = None
+    dpo_beta: InitVar[float | None] = None
+    collaboration_mode: InitVar[str | None] = None
+    use_environment_step: InitVar[bool | None] = None
+    environment_steps_per_pair: InitVar[int | None] = None
+    # CoMLRL's MARLHF reads these only with rl_algorithm='iac' / 'maac'.
+    critic_model_name: InitVar[str | None] = None
+    critic_learning_rate: InitVar[float | None] = None
+    critic_devices: InitVar[Any] = None
+    use_separate_critic: InitVar[bool | None] = None
+    critic_type: InitVar[str | None] = None
+    value_loss_coef: InitVar[float | None] = None
+    value_clip_range: InitVar[float | None] = None
+    critic_value_head_hidden_dim: InitVar[int | None] = None
+    value_head_hidden_dim: InitVar[int | None] = None
+
+    def take_comlrl_spellings(self, given: dict[str, Any]) -> None:
+        name = given["reward_model_name"]
+        if name is not None and self.reward_model not in (None, name):
+            raise ConfigError(
+                f"reward_model_name={name!r} and reward_model={self.reward_model!r} both name the reward model's "
+                "backbone; give one (reward_model= is comarl's name)"
+            )
+        if name is not None:
+            self.reward_model = name
+        super().take_comlrl_spellings(given)
+
+    @classmethod
+    def comlrl_refused(cls) -> dict[str, str]:
+        return {**COMLRL_REFUSED, **MARLHF_COMLRL_REFUSED}
+
+    def comlrl_changes_nothing(self, name: str, value: Any) -> bool:
+        if name == "rl_algorithm":  # CoMLRL's default; its MARLHF then sets advantage_mode='mean'
+            return value.strip().lower() == "magrpo" and self.baseline == "group_mean"
+        # CoMLRL's default 'cuda:0' is where comarl's automatic placement puts agent 0
+        if name == "reward_model_device":
+            devices = self.agent_devices
+            first = "cuda:0" if devices is None else devices if isinstance(devices, str) else devices[0]
+            return str(value) == first
+        return super().comlrl_changes_nothing(name, value)
 
     def validate_advantage(self) -> None:
         super().validate_advantage()
@@ -1243,20 +1364,67 @@ def comlrl_spellings(cls: type) -> list[str]:
     return [name for name, f in cls.__dataclass_fields__.items() if str(f.type).startswith("InitVar")]
 
 
-# CoMLRL fields comarl does not take: what to do instead.
+# CoMLRL fields comarl does not take: what to do instead. Where a value changes nothing here it is accepted
+# (MAGRPOConfig.comlrl_changes_nothing); the fix says which.
 COMLRL_REFUSED = {
-    "train_batch_size": "comarl takes one optimizer step per collected batch (prompts_per_step); micro_batch_size "
-    "and micro_batch_tokens bound memory",
-    "eval_batch_size": "evaluation runs prompts_per_step items per batch; remove it",
-    "reference_devices": "the KL reference lives on its agent's device (agent_devices); remove it",
-    "use_separate_critic": "a separate critic model is used exactly when critic_model= is set (in the config, or "
-    "to the trainer as CoMLRL's critic_model=), otherwise a value head on each agent's model; remove it",
+    "train_batch_size": "comarl takes one optimizer step per collected batch of prompts_per_step={prompts_per_step} "
+    "items (train_batch_size equal to it, CoMLRL's default, is accepted); micro_batch_size and micro_batch_tokens "
+    "bound memory. Remove it",
+    "reference_devices": "the KL reference lives on its agent's device (agent_devices); remove it (it is accepted "
+    "without a KL penalty, where CoMLRL ignores it)",
     "critic_devices": "a critic lives on its agent's device (the centralized one on agent 0's); remove it",
     "critic_value_head_hidden_dim": "comarl's value heads are linear; remove it",
     "value_head_hidden_dim": "comarl's value heads are linear; remove it",
-    "rl_algorithm": "MARLHF trains with the MAGRPO family (set baseline= / scale=); for a critic trainer, wrap its "
-    "env in RewardModelEnv (docs/preference.md); remove it",
-    "reward_model_device": "the reward model lives on agent 0's device (agent_devices); remove it",
+    "collaboration_mode": "comarl's agents each answer their own prompt (CoMLRL's 'decentralized', accepted); there "
+    "is no mode where one model writes every agent's answer. Remove it",
+    "use_environment_step": "it only sets the step CoMLRL logs at; comarl logs by optimizer step (CoMLRL's default "
+    "True is accepted). Remove it",
+    "environment_steps_per_pair": "it only sets the step CoMLRL logs at; comarl logs by optimizer step (CoMLRL's "
+    "default 2 is accepted). Remove it",
+}
+_MARLHF_CRITIC_FIX = (
+    "CoMLRL's MARLHF reads it only with rl_algorithm='iac' / 'maac', and comarl's MARLHF trains with the MAGRPO "
+    "family (CoMLRL's default value, which changes nothing there, is accepted); for a critic trainer, wrap its env in "
+    "RewardModelEnv (docs/preference.md). Remove it"
+)
+MARLHF_COMLRL_REFUSED = {
+    "rl_algorithm": "MARLHF trains with the MAGRPO family, as CoMLRL's default 'magrpo' (accepted with "
+    "baseline='group_mean', the advantage_mode CoMLRL then sets); set baseline= / scale= for another, and for a "
+    "critic trainer wrap its env in RewardModelEnv (docs/preference.md). Remove it",
+    "reward_model_device": "the reward model lives on agent 0's device (agent_devices; a value naming that device is "
+    "accepted); remove it",
+    "reward_max_length": "comarl's reward model reads the whole joint text, untruncated (CoMLRL's default None); "
+    "remove it",
+    "reward_freeze_backbone": "comarl fits the whole reward model, backbone included (CoMLRL's default False, "
+    "accepted); remove it",
+    "dpo_beta": "MARLHF has no DPO loss (CoMLRL's MARLHF never reads it; its default 0.1 is accepted); remove it",
+    **dict.fromkeys(
+        (
+            "critic_model_name",
+            "critic_learning_rate",
+            "critic_devices",
+            "use_separate_critic",
+            "critic_type",
+            "value_loss_coef",
+            "value_clip_range",
+            "critic_value_head_hidden_dim",
+            "value_head_hidden_dim",
+        ),
+        _MARLHF_CRITIC_FIX,
+    ),
+}
+# CoMLRL defaults of refused fields that change nothing here: a config copied whole from CoMLRL carries them.
+COMLRL_DEFAULTS_CHANGING_NOTHING: dict[str, Any] = {
+    "collaboration_mode": "decentralized",
+    "use_environment_step": True,
+    "environment_steps_per_pair": 2,
+    # MARLHF (CoMLRL's MARLHFConfig defaults; the critic ones are read only by its IAC / MAAC backends)
+    "reward_freeze_backbone": False,
+    "dpo_beta": 0.1,
+    "use_separate_critic": True,
+    "critic_type": "v",
+    "value_loss_coef": 0.6,
+    "value_clip_range": 0.2,
 }
 
 
