@@ -6,6 +6,7 @@ from __future__ import annotations
 import copy
 import json
 import math
+import re
 
 import pytest
 import torch
@@ -522,19 +523,18 @@ def test_marlhf_saves_a_reward_model_that_reloads(qwen_bpe, tmp_path):
     assert torch.allclose(
         reward_scores(again.reward_model, texts), reward_scores(trainer.reward_model, texts)
     )
-    # a folder without a fitted head scored 0 everywhere (a zero head): every advantage 0, nothing learnt
-    for unfitted in (None, qwen_bpe):
+    # a folder without a fitted head scored 0 everywhere (a zero head): every advantage 0, nothing learnt. The config
+    # refuses it, before any model loads.
+    for unfitted, where in (
+        (None, "reward_model is not set"),
+        (qwen_bpe, f"{qwen_bpe} has no value_head.pt"),
+    ):
         with pytest.raises(
             ConfigError,
-            match=r"fit_reward_model=False scores with reward_model= as it is, but .* has no value_head.pt",
+            match=rf"^fit_reward_model=False scores with reward_model= as it is, but {re.escape(where)}: point "
+            r"reward_model= at a fitted one \(the reward_model/ folder a MARLHF run saves\) or set fit_reward_model=True$",
         ):
-            MARLHFTrainer(
-                model=qwen_bpe,
-                num_agents=2,
-                train_dataset=DATA,
-                reward_func=length_reward,
-                args=MARLHFConfig(**settings, reward_model=unfitted, fit_reward_model=False),
-            )
+            MARLHFConfig(**settings, reward_model=unfitted, fit_reward_model=False)
 
 
 @pytest.mark.slow

@@ -15,6 +15,9 @@ from typing import Any
 
 from comarl.choices import AGGREGATIONS, BASELINES, CENTRED_BASELINES, KL_PENALTIES, PAIR_SELECTIONS, SCALES
 
+# The file of a critic's or reward model's head in its folder (comarl.critics saves and loads it).
+VALUE_HEAD_FILE = "value_head.pt"
+
 
 class ConfigError(ValueError):
     """A bad configuration value; the message names the field and the fix."""
@@ -1242,6 +1245,19 @@ class MARLHFConfig(MAGRPOConfig):
             value = getattr(self, name)
             if value < 1:
                 raise ConfigError(f"{name}={value!r}: must be an integer >= 1")
+        # Without a fitted head every score would be 0, every advantage 0, and nothing would learn.
+        if not self.fit_reward_model and not (
+            self.reward_model is not None and (Path(self.reward_model) / VALUE_HEAD_FILE).is_file()
+        ):
+            where = (
+                "reward_model is not set"
+                if self.reward_model is None
+                else f"{self.reward_model} has no {VALUE_HEAD_FILE}"
+            )
+            raise ConfigError(
+                f"fit_reward_model=False scores with reward_model= as it is, but {where}: point reward_model= at a "
+                "fitted one (the reward_model/ folder a MARLHF run saves) or set fit_reward_model=True"
+            )
 
 
 def config_help(config_cls: type) -> dict[str, str]:

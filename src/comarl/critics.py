@@ -22,8 +22,7 @@ import torch
 from torch import nn
 
 from comarl.algorithms import token_entropy, token_logprobs
-
-VALUE_HEAD_FILE = "value_head.pt"
+from comarl.config import VALUE_HEAD_FILE
 
 
 class ValueHead(nn.Module):

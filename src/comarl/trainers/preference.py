@@ -37,7 +37,7 @@ import torch
 from comarl.agents import Agent
 from comarl.algorithms import dpo_margins, preference_loss, preference_pairs, sequence_logprobs
 from comarl.config import ConfigError, MADPOConfig, MARLHFConfig
-from comarl.critics import VALUE_HEAD_FILE, CriticModel, joint_observation
+from comarl.critics import CriticModel, joint_observation
 from comarl.distributed import DataParallel, sum_and_clip_gradients
 from comarl.engines import Generation, concat_generations
 from comarl.envs import Env, StepResult, prompt_text
@@ -467,13 +467,6 @@ class MARLHFTrainer(MAGRPOTrainer):
         source = a.reward_model or self.team[0].source
         if source is None:
             raise ConfigError("MARLHF: set reward_model= (a hub id or path); agent 0 was given as an object")
-        if not a.fit_reward_model and not (Path(source) / VALUE_HEAD_FILE).is_file():
-            # Without a fitted head every score would be 0, every advantage 0, and nothing would learn.
-            raise ConfigError(
-                f"fit_reward_model=False scores with reward_model= as it is, but {source} has no {VALUE_HEAD_FILE}: "
-                "point reward_model= at a fitted one (the reward_model/ folder a MARLHF run saves) or set "
-                "fit_reward_model=True"
-            )
         # Every process holds a copy of the reward model (with its first agent, whose device it shares): the copies
         # are fit together (each process scores its share of every batch of pairs, gradients summed), so they stay
         # equal, and each process scores its own joint answers.
