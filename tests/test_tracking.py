@@ -145,6 +145,15 @@ def test_tensorboard_sink_gets_the_logged_metrics(qwen_bpe, tmp_path):
         points = events.Scalars(key)
         assert [p.step for p in points] == [1, 2]
         assert [p.value for p in points] == pytest.approx([row[key] for row in logged])
+    # the completions of each logged step as a markdown table (one row per sample of samples.jsonl)
+    texts = events.Tensors("samples/text_summary")
+    assert [t.step for t in texts] == [1, 2]
+    table = texts[0].tensor_proto.string_val[0].decode().splitlines()
+    assert table[:2] == [
+        "| step | prompts | completions | rewards | advantages |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    assert len(table) == 2 + 2 and table[2].startswith('| 1 | ["')  # two samples (log_completions=2)
 
 
 def test_a_new_run_into_a_used_folder_replaces_its_logs(qwen_bpe, tmp_path):
@@ -207,6 +216,7 @@ def test_comlrl_wandb_config_logs_to_wandb(qwen_bpe, tmp_path, monkeypatch):
 
     fake = types.ModuleType("wandb")
     fake.init = lambda **kwargs: calls.append(("init", kwargs)) or Run()
+    fake.Table = lambda columns, data: ("table", columns, data)
     monkeypatch.setitem(sys.modules, "wandb", fake)
     sections = {"dataset": {"name": "tldr", "type": "summary"}, "output": {"verbose": False}}
     trainer = _sink_trainer(
@@ -222,8 +232,14 @@ def test_comlrl_wandb_config_logs_to_wandb(qwen_bpe, tmp_path, monkeypatch):
     # CoMLRL's config_sections join the run's config, the dataset's name and type as dataset_name / dataset_type
     assert init["config"]["output"] == {"verbose": False}
     assert (init["config"]["dataset_name"], init["config"]["dataset_type"]) == ("tldr", "summary")
-    assert [c[1] for c in calls if c[0] == "log"] == [1, 2]
-    assert calls[2][2]["reward"] == pytest.approx(last["reward"])
+    metrics = [c for c in calls if c[0] == "log" and "samples" not in c[2]]
+    assert [c[1] for c in metrics] == [1, 2] and metrics[-1][2]["reward"] == pytest.approx(last["reward"])
+    # each logged step's samples as a W&B table: a row per sample, agents' lists as JSON text
+    tables = [(c[1], c[2]["samples"]) for c in calls if c[0] == "log" and "samples" in c[2]]
+    assert [step for step, _ in tables] == [1, 2]
+    _, columns, rows = tables[0][1]
+    assert columns == ["step", "prompts", "completions", "rewards", "advantages"]
+    assert len(rows) == 2 and rows[0][0] == 1 and len(json.loads(rows[0][2])) == 2  # two agents' completions
     # a run that crashes is finished as failed (exit code 1), not shown as finished
     crashing = _sink_trainer(qwen_bpe, wandb_config={"project": "team"})
     crashing.training_step = lambda items: 1 / 0
@@ -250,14 +266,18 @@ from tests.test_tracking import _sink_trainer
 _sink_trainer({qwen_bpe!r}, report_to=["trackio"], trackio_project="sink-check", run_name="r1").train()
 from trackio.sqlite_storage import SQLiteStorage
 logs = SQLiteStorage.get_logs("sink-check", "r1")
-print([row["step"] for row in logs if "reward" in row], sorted(k for k in logs[-1] if k.startswith("agent_1/"))[:2])
+print([row["step"] for row in logs if "reward" in row], sorted(k for k in [r for r in logs if "reward" in r][-1] if k.startswith("agent_1/"))[:2])
+print([row["step"] for row in logs if "samples" in row])
 """
     env = dict(os.environ, TRACKIO_DIR=str(tmp_path), PYTHONPATH=str(Path(__file__).parent.parent))
     done = subprocess.run(
         [sys.executable, "-c", script], env=env, capture_output=True, text=True, timeout=300
     )
     assert done.returncode == 0, done.stderr[-2000:]
-    assert done.stdout.strip().splitlines()[-1] == "[1, 2] ['agent_1/advantage_abs', 'agent_1/clip_fraction']"
+    assert done.stdout.strip().splitlines()[-2:] == [
+        "[1, 2] ['agent_1/advantage_abs', 'agent_1/clip_fraction']",
+        "[1, 2]",  # the samples table of each logged step
+    ]
 
 
 def test_report_to_is_checked():

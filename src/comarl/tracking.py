@@ -72,6 +72,12 @@ class TensorBoardSink:
         for key, value in metrics.items():
             self.writer.add_scalar(key, value, global_step=step)
 
+    def log_samples(self, step: int, columns: list[str], rows: list[list[Any]]) -> None:
+        """The samples as a markdown table in the Text tab."""
+        cells = [[str(value).replace("|", "\\|").replace("\n", "<br>") for value in row] for row in rows]
+        lines = [columns, ["---"] * len(columns), *cells]
+        self.writer.add_text("samples", "\n".join("| " + " | ".join(line) + " |" for line in lines), step)
+
     def close(self, failed: bool = False) -> None:
         self.writer.close()
 
@@ -88,6 +94,11 @@ class WandbSink:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.run.log(metrics, step=step)
+
+    def log_samples(self, step: int, columns: list[str], rows: list[list[Any]]) -> None:
+        import wandb
+
+        self.run.log({"samples": wandb.Table(columns=columns, data=rows)}, step=step)
 
     def close(self, failed: bool = False) -> None:
         self.run.finish(exit_code=1 if failed else 0)  # a crashed run must not show as finished
@@ -106,6 +117,9 @@ class TrackioSink:
 
     def log(self, step: int, metrics: dict[str, float]) -> None:
         self.trackio.log(metrics, step=step)
+
+    def log_samples(self, step: int, columns: list[str], rows: list[list[Any]]) -> None:
+        self.trackio.log({"samples": self.trackio.Table(columns=columns, data=rows)}, step=step)
 
     def close(self, failed: bool = False) -> None:
         self.trackio.finish()
@@ -129,7 +143,8 @@ class RunLogger:
         sinks: Sequence[Any] = (),
     ) -> None:
         self.run_dir = Path(run_dir) if run_dir is not None else None
-        self.sinks = list(sinks)  # objects with log(step, metrics) and close(), e.g. TensorBoardSink
+        # objects with log(step, metrics), log_samples(step, columns, rows) and close(), e.g. TensorBoardSink
+        self.sinks = list(sinks)
         if self.run_dir is not None:
             self.run_dir.mkdir(parents=True, exist_ok=True)
         self.total_steps = total_steps
@@ -191,9 +206,15 @@ class RunLogger:
             self._progress.update(self._task, completed=step)
 
     def log_samples(self, step: int, samples: list[dict]) -> None:
-        """Append each sample, tagged with ``step``, as one line of ``samples.jsonl``."""
+        """Append each sample, tagged with ``step``, as one line of ``samples.jsonl``; the sinks get them as one
+        table (columns ``step`` and the samples' keys; a list, one entry per agent, as JSON text)."""
         for sample in samples:
             self._write(SAMPLES_FILE, {"step": step, **sample})
+        if samples and self.sinks:
+            columns = ["step", *samples[0]]
+            rows = [[step, *(_table_cell(sample.get(key)) for key in columns[1:])] for sample in samples]
+            for sink in self.sinks:
+                sink.log_samples(step, columns, rows)
 
     def print(self, message: str) -> None:
         """Print a message (above the progress bar when one is shown); rich markup is not parsed."""
@@ -228,6 +249,13 @@ class RunLogger:
         traceback: TracebackType | None,
     ) -> None:
         self.close(failed=exc_type is not None)
+
+
+def _table_cell(value: Any) -> Any:
+    """A sample's value as a table cell: text and numbers as they are, anything else as JSON text."""
+    if value is None or isinstance(value, (str, int, float)):
+        return value
+    return json.dumps(json_ready(value), default=_json_default)
 
 
 def write_run_config(run_dir: str | Path, config: dict[str, Any]) -> None:
