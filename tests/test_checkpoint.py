@@ -250,6 +250,38 @@ def test_a_new_checkpoint_replaces_those_an_earlier_run_left_past_it(tmp_path, m
     assert torch.load(directory / "process_0.pt", weights_only=False)["trainer"] == {"step": 2}
 
 
+def test_a_resumed_run_cut_short_never_resumes_the_run_it_replaced(tmp_path, monkeypatch):
+    """Run A left steps 2, 4 and 6; run B resumed from step 2. A crash at any point of B's start or its first
+    save must not leave A's step 4 or 6 as the newest finished checkpoint (resume would continue A under B's logs)."""
+    from comarl import checkpoint
+
+    for step in (2, 4, 6):
+        checkpoint.save_checkpoint(_Stub(step), tmp_path, keep=3)
+    checkpoint.remove_checkpoints(tmp_path, past=2)  # what train() does on resuming from step 2
+    assert [p.name for p in checkpoint.completed_checkpoints(tmp_path)] == ["step_2"]
+    # Without that (a save straight after A's), the save itself removes A's steps >= 4 before its rename.
+    for step in (4, 6):
+        checkpoint.save_checkpoint(_Stub(step), tmp_path, keep=3)
+
+    def rename_cut_short(source, target):
+        raise OSError("the machine went away")
+
+    monkeypatch.setattr(checkpoint.os, "replace", rename_cut_short)
+    with pytest.raises(OSError):
+        checkpoint.save_checkpoint(_Stub(4), tmp_path, keep=3)
+    assert [p.name for p in checkpoint.completed_checkpoints(tmp_path)] == ["step_2"]
+
+
+def test_folders_not_named_like_checkpoints_are_left_alone(tmp_path):
+    from comarl import checkpoint
+
+    backup = tmp_path / "checkpoints" / "step_4.bak"
+    backup.mkdir(parents=True)
+    checkpoint.save_checkpoint(_Stub(2), tmp_path, keep=1)
+    checkpoint.remove_checkpoints(tmp_path)
+    assert checkpoint.completed_checkpoints(tmp_path) == [] and backup.is_dir()
+
+
 def test_a_save_cut_short_leaves_the_previous_checkpoint_and_is_cleared_later(tmp_path, monkeypatch):
     from comarl import checkpoint
 

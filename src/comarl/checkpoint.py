@@ -15,7 +15,8 @@ Every part is written into ``step_<N>.partial/``, which is renamed to ``step_<N>
 save cut short never leaves a folder that is loaded. A folder is deleted ``trainer_state.json`` first, so a
 deletion cut short does not leave one either: only ``step_<N>/`` folders with that file are loaded.
 
-A run that does not resume deletes the folder's checkpoints when it starts (:func:`remove_checkpoints`).
+A run that does not resume deletes the folder's checkpoints when it starts, a resumed run those past its step
+(:func:`remove_checkpoints`).
 Saving step N also deletes the checkpoints past N (left when this run resumed from an older one, which it
 replaces) and the unfinished ones (saves or deletions cut short), and keeps the newest ``save_total_limit``, step N
 among them.
@@ -31,6 +32,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import re
 import shutil
 from collections.abc import Sequence
 from pathlib import Path
@@ -43,6 +45,7 @@ from comarl.config import ConfigError
 STATE_FILE = "trainer_state.json"
 CHECKPOINTS = "checkpoints"
 PARTIAL = ".partial"  # the suffix of a checkpoint folder being written
+CHECKPOINT_NAME = re.compile(r"step_\d+(\.partial)?")
 # Stands in a data shard's part for a state the first data shard's part holds (D equal copies would take D times
 # the disk: 36 GB per copy for a 3 B agent's fp32 weights and AdamW moments).
 IN_FIRST_SHARD = "comarl: in the first data shard's part"
@@ -85,7 +88,8 @@ def _checkpoint_folders(output_dir: str | Path) -> list[Path]:
     root = Path(output_dir) / CHECKPOINTS
     if not root.is_dir():
         return []
-    return sorted((p for p in root.iterdir() if p.name.startswith("step_")), key=_step)
+    # Only the names save_checkpoint writes: a folder the user left there (step_4.bak) is not ours to read or delete.
+    return sorted((p for p in root.iterdir() if CHECKPOINT_NAME.fullmatch(p.name)), key=_step)
 
 
 def rng_state() -> dict[str, Any]:
@@ -141,18 +145,18 @@ def save_checkpoint(trainer: Any, output_dir: str | Path, keep: int) -> Path:
             "settings": _settings(trainer.args),
         }
         (partial / STATE_FILE).write_text(json.dumps(state, indent=1))
-        _remove(directory)  # an earlier run's checkpoint at this step, which this one replaces
-        os.replace(partial, directory)
-        # Checkpoints past this step were left by an earlier run in this folder (one that went further, or the
-        # run this one resumed from an older checkpoint): this run replaces them, and resuming must not jump
-        # back to them. Unfinished ones are saves cut short, whose parts would otherwise stay on disk for good (no
-        # later save counts them). Of the rest, the newest `keep` stay, this one among them.
+        # Checkpoints at or past this step were left by an earlier run in this folder (one that went further, or
+        # the run this one resumed from an older checkpoint): this run replaces them, and resuming must not jump
+        # back to them, so they go before this one is renamed into place (a crash in between resumes from an
+        # older step of this run). Unfinished ones are saves cut short, whose parts would otherwise stay on disk
+        # for good (no later save counts them). Of the rest, the newest `keep` stay, this one among them.
         older = []
         for other in _checkpoint_folders(output_dir):
             if _finished(other) and _step(other) < trainer.step:
                 older.append(other)
-            elif other != directory:
+            elif other != partial:
                 _remove(other)
+        os.replace(partial, directory)
         for old in older[: max(len(older) - (keep - 1), 0)]:
             _remove(old)
     if parallel is not None:
@@ -177,10 +181,13 @@ def _step(directory: Path) -> int:
     return int(directory.name.removeprefix("step_").removesuffix(PARTIAL))
 
 
-def remove_checkpoints(output_dir: str | Path) -> None:
-    """Delete every checkpoint folder under ``output_dir/checkpoints``, finished or not (a new run's start)."""
-    for directory in _checkpoint_folders(output_dir):
-        _remove(directory)
+def remove_checkpoints(output_dir: str | Path, past: int = -1) -> None:
+    """Delete the checkpoint folders under ``output_dir/checkpoints`` past step ``past``, finished or not, newest
+    first: every one at a new run's start, those past its step at a resumed run's (they belong to the run it
+    replaces, and a later resume must not jump to them)."""
+    for directory in reversed(_checkpoint_folders(output_dir)):
+        if _step(directory) > past:
+            _remove(directory)
 
 
 def _remove(directory: Path) -> None:
