@@ -796,3 +796,36 @@ def test_gradient_sum_is_in_place_through_bounded_buckets():
         4.0,
         8.0,
     ]  # one collective for a small model
+
+
+@pytest.mark.slow
+def test_cli_demo_under_data_parallel_resumes(tmp_path):
+    """`comarl train` of the demo task in two processes, stopped after step 1 and relaunched with --resume: every
+    process builds the tiny team into the same folders, so the sources the checkpoint records are every process's
+    (each used to build its own rank_<r>/ copy, and the second process refused to resume)."""
+    out = tmp_path / "run"
+    spec = tmp_path / "run.yaml"
+
+    def launch(steps: int, *extra: str) -> subprocess.CompletedProcess:
+        spec.write_text(
+            "task: demo\nargs:\n  data_parallel: true\n  prompts_per_step: 2\n  num_generations: 2\n"
+            f"  max_new_tokens: 3\n  max_steps: {steps}\n  save_steps: 1\n  progress_bar: false\n"
+            f"  eval_at_end: false\n  output_dir: {out}\n"
+        )
+        return subprocess.run(
+            [
+                *(sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"),
+                *("-m", "comarl", "train", str(spec), *extra),
+            ],
+            env=dict(os.environ, OMP_NUM_THREADS="1"),
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+
+    first = launch(1)
+    assert first.returncode == 0, failure(first.stderr)
+    assert sorted(p.name for p in (out / "base_models").iterdir()) == ["alice-llama", "bob-gpt2"]
+    resumed = launch(2, "--resume")
+    assert resumed.returncode == 0, failure(resumed.stderr)
+    assert [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()] == [1, 2]

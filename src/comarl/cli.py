@@ -178,6 +178,7 @@ def _demo(args: argparse.Namespace) -> int:
 
 
 def _train(spec: RunSpec, resume: bool = False) -> int:
+    from comarl.tasks import demo
     from comarl.trainers import actor_critic, magrpo, preference
 
     trainer_cls = {
@@ -193,6 +194,7 @@ def _train(spec: RunSpec, resume: bool = False) -> int:
         "marlhf": preference.MARLHFTrainer,
     }[spec.trainer]
     args = spec.trainer_args()
+    demo_base = Path(args.output_dir or "runs/demo") / "base_models" if spec.task == "demo" else None
     if resume:  # checked before any model loads, as the config is (train() checks the loaded agents again)
         from comarl.checkpoint import CHECKPOINTS, check_resumable, completed_checkpoints
 
@@ -204,18 +206,17 @@ def _train(spec: RunSpec, resume: bool = False) -> int:
                 "one every args.save_steps)"
             )
         several = args.agent_parallel or args.data_parallel
-        sources = None if spec.task == "demo" else spec.agents or [spec.model] * spec.num_agents
+        if demo_base is not None:
+            sources = demo.team_folders(demo_base)
+        else:
+            sources = spec.agents or [spec.model] * spec.num_agents
         processes = int(os.environ.get("WORLD_SIZE", "1")) if several else 1
         check_resumable(found[-1], trainer_cls.__name__, spec.num_agents, processes, args, sources)
     env = None
     if spec.task == "demo":
-        from comarl.tasks import demo
-
-        base = Path(args.output_dir or "runs/demo") / "base_models"
-        # Every process builds the (same) tiny team, each in its own folder.
-        if args.agent_parallel or args.data_parallel:
-            base = base / f"rank_{os.environ.get('RANK', '0')}"
-        trainer = demo.demo_trainer(trainer_cls, demo.build_team(base, seed=args.seed), args)
+        # Every process (under torchrun) builds the same tiny team into the same folders (tiny_model renames each
+        # build into place), so every process's agents have the sources the checkpoint records.
+        trainer = demo.demo_trainer(trainer_cls, demo.build_team(demo_base, seed=args.seed), args)
     elif spec.task in ("code", "writing"):
         from comarl.evaluation import task_protocol
 

@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
+import shutil
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -170,19 +172,33 @@ def tiny_model(
         "model_kwargs": model_kwargs,
     }
     path = Path(path)
-    marker = path / CACHE_FILE
-    if (path / "config.json").exists() and marker.exists():
-        try:
-            if json.loads(marker.read_text()) == record:
-                return path
-        except json.JSONDecodeError:
-            pass  # a corrupt record just means we rebuild
-    marker.unlink(missing_ok=True)  # an interrupted rebuild must not look cached
-
-    train_tokenizer(texts, path, kind=kind, vocab_size=vocab_size)
-    build_tiny_model(path, path, arch=arch, seed=seed, **model_kwargs)
-    marker.write_text(json.dumps(record, indent=2, sort_keys=True))
+    if _built(path, record):
+        return path
+    # Built beside the target and renamed into place: processes that build the same model at once (one per agent
+    # under torchrun) never see a half-written folder, and all of them end with the same path.
+    building = path.with_name(f".{path.name}.{os.getpid()}.building")
+    shutil.rmtree(building, ignore_errors=True)
+    train_tokenizer(texts, building, kind=kind, vocab_size=vocab_size)
+    build_tiny_model(building, building, arch=arch, seed=seed, **model_kwargs)
+    (building / CACHE_FILE).write_text(json.dumps(record, indent=2, sort_keys=True))
+    try:
+        os.replace(building, path)
+    except OSError:  # path is there: another process's identical build, or an older one to replace
+        if _built(path, record):
+            shutil.rmtree(building, ignore_errors=True)
+            return path
+        shutil.rmtree(path)
+        os.replace(building, path)
     return path
+
+
+def _built(path: Path, record: dict[str, Any]) -> bool:
+    """Whether ``path`` holds a tiny model built with ``record``'s arguments."""
+    marker = path / CACHE_FILE
+    try:
+        return (path / "config.json").exists() and json.loads(marker.read_text()) == record
+    except (OSError, json.JSONDecodeError):  # no record, or a corrupt one: build again
+        return False
 
 
 # Word lists for default_corpus (compact on purpose).

@@ -84,11 +84,17 @@ def build_team(base_dir: str | Path, seed: int = 0, texts: Sequence[str] | None 
     ``texts`` (default: this game's ``corpus()``), saved to disk."""
     from comarl.tiny import tiny_model
 
-    base, texts = Path(base_dir), corpus() if texts is None else list(texts)
+    texts = corpus() if texts is None else list(texts)
+    alice, bob = team_folders(base_dir)
     return [
-        tiny_model(base / "alice-llama", texts=texts, kind="word", arch="llama", seed=seed),
-        tiny_model(base / "bob-gpt2", texts=texts, kind="word", arch="gpt2", seed=seed + 1),
+        tiny_model(alice, texts=texts, kind="word", arch="llama", seed=seed),
+        tiny_model(bob, texts=texts, kind="word", arch="gpt2", seed=seed + 1),
     ]
+
+
+def team_folders(base_dir: str | Path) -> list[Path]:
+    """Where :func:`build_team` puts the two agents."""
+    return [Path(base_dir) / "alice-llama", Path(base_dir) / "bob-gpt2"]
 
 
 def demo_config(
