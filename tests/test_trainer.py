@@ -865,6 +865,19 @@ def test_a_model_object_is_agent_0_and_the_others_train_copies(qwen_bpe):
     assert all(torch.equal(p, q) for p, q in zip(models[0].parameters(), models[2].parameters()))
 
 
+def test_automatic_placement_keeps_a_shared_model_on_one_gpu(monkeypatch):
+    """With 2 GPUs, agent i goes to GPU i mod 2; agents sharing one model (share_weights, lora_shared_base) all go
+    to the first, where the one model lives (they were refused: "the shared weights live on one device")."""
+    from comarl.trainers.magrpo import _agent_devices
+
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+    assert _agent_devices(None, 3) == ["cuda:0", "cuda:1", "cuda:0"]
+    assert _agent_devices("auto", 2, one_model=True) == ["cuda:0", "cuda:0"]
+    assert _agent_devices(["cuda:1"], 2, one_model=True) == ["cuda:1", "cuda:1"]  # what the user names stands
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 0)
+    assert _agent_devices(None, 2, one_model=True) == ["cpu", "cpu"]
+
+
 def test_a_device_name_torch_does_not_know_is_a_config_error(qwen_bpe):
     with pytest.raises(
         ConfigError,

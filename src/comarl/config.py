@@ -336,7 +336,8 @@ class MAGRPOConfig:
 
     # --- devices and precision
     agent_devices: list[str] | str | None = _help(
-        "Device per agent ('cpu', 'cuda:1', ...), one for all, or None = auto (agent i on GPU i mod #GPUs, else CPU).",
+        "Device per agent ('cpu', 'cuda:1', ...), one for all, or None = auto (agent i on GPU i mod #GPUs, else CPU; "
+        "every agent on the first GPU with share_weights or lora_shared_base, whose agents share one model).",
         default=None,
     )
     agent_parallel: bool = _help(

@@ -195,7 +195,7 @@ class MAGRPOTrainer:
         self.num_agents = n
 
         set_seed(args.seed)
-        devices = _agent_devices(args.agent_devices, n)
+        devices = _agent_devices(args.agent_devices, n, args.share_weights or args.lora_shared_base)
         # Agent parallelism: this process loads and trains one agent; the others are RemoteAgents here. Data
         # parallelism: every process holds the whole team (with agent parallelism too: its agent) and takes a shard
         # of each step's prompts. Both together: a grid, one process per agent and shard.
@@ -1477,10 +1477,14 @@ def _remote_agent(source: Any, tokenizer: Any, i: int) -> RemoteAgent:
     )
 
 
-def _agent_devices(spec: Any, n: int) -> list[str]:
+def _agent_devices(spec: Any, n: int, one_model: bool = False) -> list[str]:
+    """Each agent's device by ``agent_devices``; automatic placement puts agent i on GPU i mod #GPUs, or every agent
+    on the first GPU when the agents share ``one_model`` (share_weights, lora_shared_base)."""
     if spec is None or spec == "auto":
         gpus = torch.cuda.device_count()
-        return [f"cuda:{i % gpus}" for i in range(n)] if gpus else ["cpu"] * n
+        if not gpus:
+            return ["cpu"] * n
+        return ["cuda:0"] * n if one_model else [f"cuda:{i % gpus}" for i in range(n)]
     spec = [spec] if isinstance(spec, str) else list(spec)
     for device in spec:
         try:
