@@ -277,6 +277,8 @@ def test_marlhf_reward_model_device_naming_agent_0s_device_is_accepted():
     MARLHFConfig(reward_model_device="cuda:0")  # auto placement puts agent 0 on GPU 0
     MARLHFConfig(reward_model_device="cuda:1", agent_devices=["cuda:1", "cuda:0"])
     MARLHFConfig(reward_model_device="cpu", agent_devices="cpu")
+    for first in ("auto", "cuda", ["cuda", "cuda:1"]):  # each puts agent 0 on the first GPU
+        MARLHFConfig(reward_model_device="cuda:0", agent_devices=first)
     with pytest.raises(
         ConfigError, match=r"^reward_model_device='cuda:0': a CoMLRL field comarl does not take"
     ):

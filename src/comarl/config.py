@@ -1231,8 +1231,10 @@ class MARLHFConfig(MAGRPOConfig):
         # CoMLRL's default 'cuda:0' is where comarl's automatic placement puts agent 0
         if name == "reward_model_device":
             devices = self.agent_devices
-            first = "cuda:0" if devices is None else devices if isinstance(devices, str) else devices[0]
-            return str(value) == first
+            first = "auto" if devices is None else devices if isinstance(devices, str) else devices[0]
+            # 'auto' puts agent 0 on the first GPU, and a bare 'cuda' is the first GPU too
+            same = {"auto": "cuda:0", "cuda": "cuda:0"}
+            return same.get(str(value), str(value)) == same.get(str(first), str(first))
         return super().comlrl_changes_nothing(name, value)
 
     def validate_advantage(self) -> None:
