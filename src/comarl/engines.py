@@ -116,7 +116,11 @@ class HFEngine:
         was_training = agent.model.training
         agent.model.eval()
         try:
-            with bf16_autocast(prompt_ids.device, self.bf16), whole_weights(agent.model):
+            with (
+                on_device(prompt_ids.device),
+                bf16_autocast(prompt_ids.device, self.bf16),
+                whole_weights(agent.model),
+            ):
                 completion_ids = sample_completions(
                     agent.model,
                     prompt_ids,
@@ -213,6 +217,14 @@ def whole_weights(model: Any) -> Iterator[None]:
             if isinstance(module, FSDPModule):
                 module.reshard()
                 module.set_reshard_after_forward(module is not model, recurse=False)
+
+
+def on_device(device: torch.device | str) -> AbstractContextManager[Any]:
+    """``device`` as the current CUDA device inside the block, for code that launches on the current device rather
+    than the tensors' (custom kernels): agents generate and update in threads of their own, whose current device
+    would otherwise be the first GPU. Nothing changes for any other device."""
+    device = torch.device(device)
+    return torch.cuda.device(device) if device.type == "cuda" else nullcontext()
 
 
 def bf16_autocast(device: torch.device, enabled: bool) -> AbstractContextManager[Any]:

@@ -56,7 +56,7 @@ from comarl.distributed import (
     sum_and_clip_gradients,
     whole_state_dict,
 )
-from comarl.engines import Generation, HFEngine, SamplingParams, bf16_autocast
+from comarl.engines import Generation, HFEngine, SamplingParams, bf16_autocast, on_device
 from comarl.envs import Env, FunctionEnv, comlrl_transition
 from comarl.memory import (
     ModelMemory,
@@ -565,14 +565,17 @@ class MAGRPOTrainer:
                 # A completion with advantage 0 teaches nothing (all G samples of its group scored the same): at 1.0
                 # the policy loss and its gradient are 0, which is the usual reason a run "does not learn".
                 metrics[f"agent_{i}/zero_advantage_fraction"] = zero
-        # Agents with their own weights update each on its own; agents sharing one model (share_weights) together.
-        groups = [learning] if args.share_weights and learning else [[i] for i in learning]
-        for updated in self.each_agent(
-            lambda group: self.update_agents(
-                group, {i: rollout.generations[i] for i in group}, {i: advantages[i] for i in group}
-            ),
-            groups,
-        ):
+
+        def update(group: list[int]) -> dict[int, dict[str, float]]:
+            gens = {i: rollout.generations[i] for i in group}
+            return self.update_agents(group, gens, {i: advantages[i] for i in group})
+
+        # Agents sharing one model (share_weights) update together, on the sum of their losses; others each on its own.
+        if args.share_weights:
+            results = [update(learning)] if learning else []
+        else:
+            results = self.each_agent(lambda i: update([i]), learning)
+        for updated in results:
             for i, stats in updated.items():
                 metrics.update({f"agent_{i}/{k}": v for k, v in stats.items()})
         # every process reports every agent's update metrics
@@ -760,14 +763,19 @@ class MAGRPOTrainer:
             totals["clip_fraction"] += float((clipped * mask).sum()) / max(num_tokens, 1)
         return totals
 
-    def each_agent(self, work: Callable[[Any], Any], jobs: Sequence[Any]) -> list[Any]:
-        """``[work(job) for job in jobs]`` (one job per agent's update): the jobs run at the same time when the agents
-        have accelerators of their own (``self.pool``, which their generate calls share), one after another
-        otherwise. Never at the same time under data parallelism, whose collectives must run in one order on every
-        process."""
-        if self.pool is None or self.data is not None or len(jobs) < 2:
-            return [work(job) for job in jobs]
-        return list(self.pool.map(work, jobs))
+    def each_agent(self, work: Callable[[int], Any], agents: Sequence[int]) -> list[Any]:
+        """``[work(i) for i in agents]`` (agent i's update): at the same time when the agents have accelerators of
+        their own (``self.pool``, which their generate calls share), each with its agent's device current; one after
+        another otherwise. Never at the same time under data parallelism, whose collectives must run in one order on
+        every process."""
+        if self.pool is None or self.data is not None or len(agents) < 2:
+            return [work(i) for i in agents]
+
+        def on_its_device(i: int) -> Any:
+            with on_device(self.team[i].device):
+                return work(i)
+
+        return list(self.pool.map(on_its_device, agents))
 
     def learning_agents(self) -> list[int]:
         """The agents this process updates at the current step (:meth:`learners_at`)."""
