@@ -754,19 +754,41 @@ def test_success_is_read_from_the_steps_that_end_episodes():
 
 
 def test_a_wrong_reward_count_on_some_steps_names_the_env_item_and_turn():
-    class SharedOnce(SuccessWhenDone):
+    class ThreeOnce(SuccessWhenDone):
         def step(self, joint_action):
             result = super().step(joint_action)
-            if self.turn > 2:
-                result.rewards = result.rewards[:1]  # a shared reward given once, at turn 2 only
+            if self.turn > 2:  # three rewards for two agents, at turn 2
+                result.rewards = result.rewards + result.rewards[:1]
             return result
 
     with pytest.raises(
         ValueError,
-        match=r"^SharedOnce.step returned 1 rewards for 2 agents \(item \{'prompt': 'p0'\}, turn 2\): return one "
-        r"reward per agent \(repeat a shared reward\)$",
+        match=r"^ThreeOnce.step returned 3 rewards for 2 agents \(item \{'prompt': 'p0'\}, turn 2\): return one "
+        r"reward per agent, or one for the team$",
     ):
         collect(
-            SharedOnce(), fake_agents(2), ITEMS[:1], engine=CountingEngine(), num_generations=2,
+            ThreeOnce(), fake_agents(2), ITEMS[:1], engine=CountingEngine(), num_generations=2,
             params=[SamplingParams()] * 2, num_turns=2,
         )  # fmt: skip
+
+
+@pytest.mark.parametrize("joint", [lambda r: r[0], lambda r: r[:1]], ids=["number", "list of one"])
+def test_a_joint_reward_is_every_agents(joint):
+    """An environment may return the team's reward once (DESIGN: rewards joint or per agent): the rollout gives
+    every agent that reward, exactly as if it had been repeated."""
+
+    class Joint(SuccessWhenDone):
+        def step(self, joint_action):
+            result = super().step(joint_action)
+            return StepResult(joint(result.rewards), result.done, result.observations, result.info)
+
+    common = {
+        "engine": CountingEngine(),
+        "num_generations": 2,
+        "params": [SamplingParams()] * 2,
+        "num_turns": 2,
+    }
+    shared = collect(Joint(), fake_agents(2), ITEMS[:1], **common)
+    repeated = collect(SuccessWhenDone(), fake_agents(2), ITEMS[:1], **common)
+    assert shared.rewards.shape[-1] == 2 and torch.equal(shared.rewards, repeated.rewards)
+    assert shared.rewards.sum() > 0  # some joint action won

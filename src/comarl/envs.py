@@ -4,7 +4,7 @@ An environment plays one dataset item per episode::
 
     observations = env.reset(item)          # one prompt per agent
     result = env.step(joint_action)         # one completion per agent
-    result.rewards                          # one per agent (a shared reward is repeated)
+    result.rewards                          # one per agent, or one for the whole team
     result.done, result.observations        # next prompts per agent when not done
     result.info                             # anything; "success" (bool): the outcome, read when the episode ends
 
@@ -31,7 +31,10 @@ Item = Mapping[str, Any]
 
 @dataclass
 class StepResult:
-    """What one joint action did: per-agent rewards, whether the episode ended, next observations."""
+    """What one joint action did: the rewards, whether the episode ended, next observations.
+
+    ``rewards``: one per agent, or the team's joint reward (a number, or a list of one), which the rollout gives
+    every agent."""
 
     rewards: list[float]
     done: bool = True
@@ -39,6 +42,10 @@ class StepResult:
     info: dict[str, Any] = field(default_factory=dict)
     components: dict[str, float] = field(default_factory=dict)
     episode: Env | None = field(default=None, repr=False, compare=False)
+
+    def __post_init__(self) -> None:
+        if isinstance(self.rewards, (int, float)) and not isinstance(self.rewards, bool):
+            self.rewards = [self.rewards]  # a joint reward: the rollout gives it to every agent
 
 
 @dataclass

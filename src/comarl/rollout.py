@@ -212,7 +212,7 @@ def collect(
             for j in range(len(level))
         ]
         level_results = env.step_many([n.episode for n in level], actions)
-        _check_reward_counts(env, level_results, [items[n.item] for n in level], depth, N)
+        _per_agent_rewards(env, level_results, [items[n.item] for n in level], depth, N)
         _check_same_outcomes(parallel, "rewards, done flags or next prompts", level_results)
         results.extend(level_results)
         next_level: list[_Node] = []
@@ -281,20 +281,24 @@ def collect(
     )
 
 
-def _check_reward_counts(
+def _per_agent_rewards(
     env: Env, results: Sequence[Sequence[StepResult]], items: Sequence[Any], depth: int, num_agents: int
 ) -> None:
-    """Every result of one turn (``results[e]`` for the episode on ``items[e]``) has one reward per agent."""
+    """Every result of one turn (``results[e]`` for the episode on ``items[e]``) with one reward per agent
+    (:func:`_per_agent_reward`)."""
     for item, row in zip(items, results):
         for result in row:
-            _check_reward_count(env, result, num_agents, f"item {short_repr(item)}, turn {depth + 1}")
+            _per_agent_reward(env, result, num_agents, f"item {short_repr(item)}, turn {depth + 1}")
 
 
-def _check_reward_count(env: Env, result: StepResult, num_agents: int, where: str) -> None:
-    if len(result.rewards) != num_agents:
+def _per_agent_reward(env: Env, result: StepResult, num_agents: int, where: str) -> None:
+    """``result.rewards`` with one reward per agent: a joint reward (one for the team) is every agent's."""
+    if len(result.rewards) == 1:
+        result.rewards = list(result.rewards) * num_agents
+    elif len(result.rewards) != num_agents:
         raise ValueError(
             f"{type(env).__name__}.step returned {len(result.rewards)} rewards for {num_agents} agents ({where}): "
-            "return one reward per agent (repeat a shared reward)"
+            "return one reward per agent, or one for the team"
         )
 
 
@@ -374,9 +378,7 @@ def greedy_returns(
         next_active = []
         for j, (n, _, _, depth) in enumerate(active):
             result = results[j][0]
-            _check_reward_count(
-                env, result, N, f"turn {depth + 1} of the greedy baseline's path from node {n}"
-            )
+            _per_agent_reward(env, result, N, f"turn {depth + 1} of the greedy baseline's path from node {n}")
             totals[n] += weight * torch.tensor(result.rewards, dtype=torch.float32)
             if (
                 not result.done
