@@ -470,7 +470,6 @@ class MAGRPOTrainer:
             # A run replaces an earlier run's checkpoints past its step at once (all of them when it does not resume):
             # one that stopped before its first save would otherwise leave them for a later resume to pick up.
             remove_checkpoints(run_dir, past=self.step)
-        if run_dir is not None and writer:
             # Rows a stopped run wrote after its checkpoint are redone; a new run into a folder that holds an
             # earlier run's logs replaces them (step 0), as it replaces that run's checkpoints past its own.
             for name in (METRICS_FILE, SAMPLES_FILE):
