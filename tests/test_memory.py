@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import socket
 from types import SimpleNamespace
@@ -16,6 +17,7 @@ from comarl.memory import (
     ModelSize,
     check_fits,
     device_identity,
+    device_need,
     model_memory,
     model_size,
     sharing_devices,
@@ -284,6 +286,17 @@ def test_bf16_counts_the_weight_copies_autocast_keeps():
     assert model_memory("agent 0", "cpu", ModelSize(1000, 1000), weight_shards=2, bf16=True).autocast == 2000
 
 
+def test_copies_held_while_a_model_runs_count_once_per_process_on_a_device():
+    """Two bf16 agents of one process on one GPU take turns: one agent's autocast casts (2 GiB here) at a time, not
+    both; an agent of another process on the same GPU runs at the same time, so its casts add up."""
+    agent = ModelSize(GIB, GIB)  # 16 GiB static, 2 GiB of casts
+    one_process = [model_memory(f"agent {i}", "cuda:0", agent, bf16=True) for i in range(2)]
+    assert device_need(one_process) == 32 * GIB + 2 * GIB
+    check_fits(one_process, {"cuda:0": 34 * GIB}, [])  # fits exactly (the sum of totals, 36 GiB, did not)
+    parts = [[("gpu A", m)] for m in one_process]  # the same agents, one process each
+    assert device_need(sharing_devices(parts, rank=0)) == 32 * GIB + 2 * 2 * GIB
+
+
 def test_the_trainer_plans_autocast_copies_under_bf16(qwen_bpe):
     plan, _ = plan_of(MAGRPOTrainer, qwen_bpe, args(bf16=True))
     assert plan["agent 0"].autocast == 2 * model_size(qwen_bpe).parameters
@@ -301,7 +314,8 @@ def test_processes_sharing_a_device_check_all_its_models():
     ]
     seen = sharing_devices(parts, rank=1)
     assert [(m.name, m.device) for m in seen] == [("agent 0 (process 0)", "cuda:1"), ("agent 1", "cuda:1")]
-    assert sharing_devices(parts, rank=2) == [parts[2][0][1]]
+    assert sharing_devices(parts, rank=2) == [dataclasses.replace(parts[2][0][1], process=2)]
+    assert [m.process for m in seen] == [0, 1]
     check_fits([parts[1][0][1]], {"cuda:1": 20 * GIB}, [])  # alone it fits
     with pytest.raises(
         ConfigError,

@@ -44,7 +44,9 @@ class ModelMemory:
     weights of a fully fine-tuned or frozen model, only the adapters of a LoRA one, whose frozen base is not
     cached: a training forward keeps its casts for the backward, like activations, which are not counted). A model
     split among D processes (``shard_weights``) holds each of these / D, except the autocast copies of its gathered
-    whole weights, and ``gathered = 4 P``: its whole weights, assembled for every generate call.
+    whole weights, and ``gathered = 4 P``: its whole weights, assembled for every generate call. These last two are
+    held only while the model runs: a device counts them once per process (:func:`device_need`), for the models of
+    one process on one device take turns. ``process``: the rank of the process that holds the model.
     """
 
     name: str
@@ -55,6 +57,7 @@ class ModelMemory:
     reference: int
     gathered: int = 0
     autocast: int = 0
+    process: int = 0
 
     @property
     def total(self) -> int:
@@ -176,7 +179,9 @@ def sharing_devices(parts: Sequence[Sequence[tuple[str, ModelMemory]]], rank: in
     models are named with its rank and given this process's name of the device."""
     here = {identity: m.device for identity, m in parts[rank]}
     return [
-        m if r == rank else replace(m, name=f"{m.name} (process {r})", device=here[identity])
+        replace(m, process=r)
+        if r == rank
+        else replace(m, name=f"{m.name} (process {r})", device=here[identity], process=r)
         for r, plan in enumerate(parts)
         for identity, m in plan
         if identity in here
@@ -198,6 +203,16 @@ def free_memory(device: str) -> int | None:
     return None
 
 
+def device_need(models: Sequence[ModelMemory]) -> int:
+    """The bytes the ``models`` on one device need at once: every model's static memory, and per process the largest
+    of its models' copies held only while a model runs (gathered weights, autocast casts): the agents of one process
+    on one device take turns; those of different processes run at the same time."""
+    largest: dict[int, int] = {}
+    for m in models:
+        largest[m.process] = max(largest.get(m.process, 0), m.gathered + m.autocast)
+    return sum(m.total - m.gathered - m.autocast for m in models) + sum(largest.values())
+
+
 def by_device(plan: Sequence[ModelMemory]) -> dict[str, list[ModelMemory]]:
     """The plan's models grouped by device, in the order the devices first appear."""
     groups: dict[str, list[ModelMemory]] = {}
@@ -216,7 +231,7 @@ def summary(plan: Sequence[ModelMemory], free: dict[str, int | None]) -> str:
 
     parts = []
     for device, on_device in by_device(plan).items():
-        need, have = amount(sum(m.total for m in on_device)), free.get(device)
+        need, have = amount(device_need(on_device)), free.get(device)
         parts.append(f"{device} {need} of {amount(have)} free" if have is not None else f"{device} {need}")
     return "static training memory (before activations): " + ", ".join(parts)
 
@@ -225,7 +240,7 @@ def check_fits(plan: Sequence[ModelMemory], free: dict[str, int | None], fixes: 
     """Raise ConfigError naming the device, the models on it, their bytes and ``fixes`` when a device's models need
     more than its ``free`` bytes (a device whose free memory is unknown is not checked)."""
     for device, on_device in by_device(plan).items():
-        need, have = sum(m.total for m in on_device), free.get(device)
+        need, have = device_need(on_device), free.get(device)
         if have is None or need <= have:
             continue
         parts = "; ".join(
