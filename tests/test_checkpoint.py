@@ -156,6 +156,20 @@ def test_resume_errors_name_the_problem(qwen_bpe, tmp_path):
         MAGRPOConfig(save_steps=2)
 
 
+def test_a_model_folder_that_moved_still_resumes(qwen_bpe, tmp_path):
+    """A cluster job's model folder lies elsewhere in the next job: the same config and weight files are the same
+    model (the sources are compared by path first, then by the folders' contents)."""
+    import shutil
+
+    first, moved = tmp_path / "scratch-1" / "model", tmp_path / "scratch-2" / "model"
+    shutil.copytree(qwen_bpe, first)
+    _trainer("MAGRPO", str(first), tmp_path / "run", LengthReward(), max_steps=2, lora_r=4).train()
+    shutil.move(first, moved)
+    resumed = _trainer("MAGRPO", str(moved), tmp_path / "run", LengthReward(), max_steps=3, lora_r=4)
+    resumed.train(resume_from_checkpoint=True)
+    assert resumed.step == 3
+
+
 def test_resume_with_settings_that_shape_the_state_stops_naming_them(qwen_bpe, llama_word, tmp_path):
     """A resumed run that would load the state into another model, another kind of model or another data order
     stops with the setting to restore (before: torch's key errors, or silently wrong weights and data)."""

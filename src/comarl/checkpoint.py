@@ -29,6 +29,7 @@ of the run: a resumed run must load the same models.
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import random
@@ -142,6 +143,7 @@ def save_checkpoint(trainer: Any, output_dir: str | Path, keep: int) -> Path:
             "num_agents": trainer.num_agents,
             "processes": 1 if parallel is None else parallel.world_size,
             "agents": [_source(agent.source) for agent in trainer.team],
+            "agent_fingerprints": [_fingerprint(agent.source) for agent in trainer.team],
             "settings": _settings(trainer.args),
         }
         (partial / STATE_FILE).write_text(json.dumps(state, indent=1))
@@ -170,6 +172,20 @@ def _source(source: str | None) -> str | None:
     if not source:
         return None
     return str(Path(source).resolve()) if Path(source).exists() else source
+
+
+def _fingerprint(source: str | None) -> str | None:
+    """What identifies a local model folder wherever it lies (a cluster job's scratch path changes between jobs): a
+    hash of its config files and of its weight files' names and sizes. None for a hub id or a model object."""
+    if not source or not Path(source).is_dir():
+        return None
+    digest = hashlib.sha256()
+    for path in sorted(Path(source).iterdir()):
+        if path.name in ("config.json", "adapter_config.json"):
+            digest.update(path.name.encode() + path.read_bytes())
+        elif path.suffix in (".safetensors", ".bin"):
+            digest.update(f"{path.name}:{path.stat().st_size}".encode())
+    return digest.hexdigest()
 
 
 def _settings(args: Any) -> dict[str, Any]:
@@ -223,14 +239,19 @@ def check_resumable(
                 f"{key}={value!r}; resume with the same trainer, team and launch"
             )
     # (Checkpoints written before sources and settings were recorded are not checked for them.)
-    for i, (saved_source, source) in enumerate(zip(state.get("agents", []), sources or [])):
-        source = _source(source)
-        if None not in (saved_source, source) and saved_source != source:
-            raise ConfigError(
-                f"resume_from_checkpoint={str(directory)!r}: the checkpoint's agent {i} is {saved_source!r}, this "
-                f"run's {source!r}; resume with the same models (model= / agents=): the KL reference and a LoRA "
-                "agent's base are loaded from them"
-            )
+    fingerprints = state.get("agent_fingerprints", [])
+    for i, (saved_source, given) in enumerate(zip(state.get("agents", []), sources or [])):
+        source = _source(given)
+        if None in (saved_source, source) or saved_source == source:
+            continue
+        # A local folder moved or copied elsewhere is the same model.
+        if i < len(fingerprints) and fingerprints[i] is not None and fingerprints[i] == _fingerprint(given):
+            continue
+        raise ConfigError(
+            f"resume_from_checkpoint={str(directory)!r}: the checkpoint's agent {i} is {saved_source!r}, this "
+            f"run's {source!r}; resume with the same models (model= / agents=; a local folder may have moved if its "
+            "config and weight files are the same): the KL reference and a LoRA agent's base are loaded from them"
+        )
     settings = _settings(args)
     for key, value in state.get("settings", {}).items():
         if key in settings and settings[key] != value:
