@@ -133,8 +133,7 @@ class MAGRPOTrainer:
         )
         n = len(sources)
         for i, source in enumerate(sources):
-            own = tokenizer[i] if isinstance(tokenizer, (list, tuple)) and i < len(tokenizer) else tokenizer
-            if not isinstance(source, (str, Path, Agent)) and own is None:
+            if not isinstance(source, (str, Path, Agent)) and _agent_tokenizer(tokenizer, i) is None:
                 raise ConfigError(
                     f"agent {i} is a model object ({type(source).__name__}) without a tokenizer: give tokenizer= (one "
                     "for the team, or a list with one per agent); only a hub id or a path loads its own"
@@ -1407,7 +1406,7 @@ def _load_agent(
     if isinstance(source, Agent):
         source.model.to(device)
         return source
-    tok = tokenizer[i] if isinstance(tokenizer, (list, tuple)) else tokenizer
+    tok = _agent_tokenizer(tokenizer, i)
     if (
         tok is not None
         and not isinstance(tok, (str, Path))
@@ -1433,6 +1432,11 @@ def _one_model(members: Sequence[Any], devices: list[str], field: str) -> Any:
     if len(set(devices)) != 1:
         raise ConfigError(f"{field}=True: the shared weights live on one device; agent_devices={devices}")
     return members[0]
+
+
+def _agent_tokenizer(tokenizer: Any, i: int) -> Any:
+    """What ``tokenizer=`` gives agent ``i``: its entry of a list (one per agent), else the one for the team."""
+    return tokenizer[i] if isinstance(tokenizer, (list, tuple)) else tokenizer
 
 
 def _tokenizer(tokenizer: Any, i: int, first: Agent) -> Any:
@@ -1472,10 +1476,8 @@ def _remote_agent(source: Any, tokenizer: Any, i: int) -> RemoteAgent:
 
     if isinstance(source, Agent):
         return RemoteAgent(source.tokenizer, source.source, source.role, source.learning_rate)
-    tok = tokenizer[i] if isinstance(tokenizer, (list, tuple)) else tokenizer
-    if tok is None:
-        if not isinstance(source, (str, Path)):
-            raise ConfigError(f"agent_parallel=True: agent {i} is a model object; pass tokenizer= for it")
+    tok = _agent_tokenizer(tokenizer, i)
+    if tok is None:  # a hub id or a path (a model object without a tokenizer was refused at the start)
         tok = str(source)
     if isinstance(tok, (str, Path)):
         tok = AutoTokenizer.from_pretrained(str(tok))
