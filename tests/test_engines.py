@@ -86,6 +86,23 @@ def test_min_new_tokens_gives_full_length_completions(qwen_bpe):
     assert gen.prompts == [p for p in PROMPTS for _ in range(3)]
 
 
+def test_seeded_prompts_draw_the_same_samples_whatever_shares_the_call(qwen_bpe):
+    """With one seed per prompt, a prompt's samples depend on its seed alone: not on the other prompts of the
+    call (their number, their padding) nor on G (sample j is the same); agent.generator is not used."""
+    agent = Agent.from_pretrained(qwen_bpe)
+    engine, params = HFEngine(), SamplingParams(max_new_tokens=8)
+    agent.generator = torch.Generator().manual_seed(0)
+    state = agent.generator.get_state()
+    alone = engine.generate(agent, PROMPTS[:1], 2, params, seeds=[11]).completions  # "a": left-padded below
+    together = engine.generate(agent, PROMPTS, 4, params, seeds=[11, 7, 13]).completions
+    assert together[:2] == alone  # prompt 0, samples 0 and 1
+    assert torch.equal(agent.generator.get_state(), state)
+    assert engine.generate(agent, PROMPTS[:1], 2, params, seeds=[12]).completions != alone
+    assert len(set(together)) > 1  # sampled, not one answer repeated
+    with pytest.raises(ValueError, match=r"^HFEngine.generate: 1 seeds for 2 prompts; pass one per prompt$"):
+        engine.generate(agent, PROMPTS[:2], 1, params, seeds=[1])
+
+
 def test_shared_prompt_groups_by_hand():
     ids = torch.tensor([[0, 5, 6], [0, 5, 6], [7, 8, 9], [0, 5, 6], [7, 8, 9]])
     mask = torch.tensor([[0, 1, 1], [0, 1, 1], [1, 1, 1], [0, 1, 1], [1, 1, 1]])

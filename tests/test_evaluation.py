@@ -225,6 +225,20 @@ def test_the_seed_decides_the_samples_and_every_stream_is_left_as_it_was(team):
             agent.generator = None
 
 
+@pytest.mark.parametrize("mode", ["team", "pipeline"])
+def test_sampled_results_do_not_depend_on_the_batch_size(team, mode):
+    """Every item of a batch drew from one stream per agent: --batch-size changed every sample after the first
+    batch. Each item's draws now come from streams fixed by the seed and its index."""
+
+    def episodes(batch_size):
+        result = _run(team, mode, limit=3, max_new_tokens=6, batch_size=batch_size)
+        return [(s["item"], s["sample"], s["turns"], s["reward"]) for s in result["samples"]]
+
+    one_by_one = episodes(1)
+    assert episodes(3) == one_by_one and episodes(2) == one_by_one
+    assert len({str(turns) for _, _, turns, _ in one_by_one}) == 6  # sampled: every episode differs
+
+
 def test_multi_turn_episodes_follow_their_own_chain(team):
     """n independent episodes per item; each episode's later prompts come from its own earlier answers."""
 
@@ -239,7 +253,7 @@ def test_multi_turn_episodes_follow_their_own_chain(team):
     )
     items = [{"prompt": "the post", "stop": False}, {"prompt": "the summary", "stop": True}]
     params = SamplingParams(max_new_tokens=4, do_sample=True)
-    records = play_episodes(env, team, items, HFEngine(), 2, params, num_turns=3)
+    records = play_episodes(env, team, items, HFEngine(), 2, params, num_turns=3, seeds=[0, 1])
     assert [len(r["turns"]) for r in records] == [3, 3, 1, 1]
     for r in records:
         for before, after in zip(r["turns"], r["turns"][1:]):
@@ -247,6 +261,13 @@ def test_multi_turn_episodes_follow_their_own_chain(team):
         assert r["reward"] == pytest.approx(sum(len(t["completions"][0].split()) for t in r["turns"]))
         assert r["components"] == {"words_of_first": len(r["turns"][-1]["completions"][0].split())}
         assert r["success"] is True
+    # Each item's episodes, every turn, depend on its seed alone, not on the items played beside it.
+    alone = [
+        play_episodes(env, team, [item], HFEngine(), 2, params, 3, [seed])
+        for item, seed in zip(items, [0, 1])
+    ]
+    assert alone[0] + alone[1] == records
+    assert len({str(r["turns"]) for r in records}) == 4
 
 
 # ----------------------------------------------------------------------------- JSON and the CLI

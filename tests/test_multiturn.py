@@ -22,7 +22,7 @@ class CountingEngine:
     def __init__(self) -> None:
         self.calls: list[tuple[str, int]] = []
 
-    def generate(self, agent, prompts, num_generations, params):
+    def generate(self, agent, prompts, num_generations, params, seeds=None):
         self.calls.append((agent.name, len(prompts)))
         rows = len(prompts) * num_generations
         texts = [f"{agent.name}s{j}" for _ in prompts for j in range(num_generations)]
@@ -612,9 +612,9 @@ def test_multi_turn_eval_plays_independent_episodes(qwen_bpe):
     calls, generated = [], []
     generate = trainer.engine.generate
 
-    def recording(agent, prompts, num_generations, params):
+    def recording(agent, prompts, num_generations, params, seeds=None):
         calls.append((len(prompts), num_generations))
-        generated.append(generate(agent, prompts, num_generations, params))
+        generated.append(generate(agent, prompts, num_generations, params, seeds))
         return generated[-1]
 
     trainer.engine.generate = recording
@@ -680,7 +680,7 @@ class RecordingProcesses:
     def __init__(self) -> None:
         self.checked: list[tuple[str, object]] = []
 
-    def generate_all(self, engine, agents, prompts, num_generations, params):  # noqa: ANN001, ANN201
+    def generate_all(self, engine, agents, prompts, num_generations, params, seeds=None):  # noqa: ANN001, ANN201
         return [engine.generate(a, p, num_generations, sp) for a, p, sp in zip(agents, prompts, params)]
 
     def check_same(self, what, obj):  # noqa: ANN001, ANN201

@@ -294,9 +294,9 @@ def test_agent_settings_give_each_agent_its_sampling_micro_batches_and_learning_
     sampled, scored = {}, {0: [], 1: []}
     generate = trainer.engine.generate
 
-    def recording_generate(agent, prompts, num_generations, params):
+    def recording_generate(agent, prompts, num_generations, params, seeds=None):
         sampled[trainer.team.agents.index(agent)] = params
-        return generate(agent, prompts, num_generations, params)
+        return generate(agent, prompts, num_generations, params, seeds)
 
     trainer.engine.generate = recording_generate
     for i, agent in enumerate(trainer.team):
@@ -680,6 +680,33 @@ def test_evaluate_overrides_dataset_samples_and_sampling(qwen_bpe):
         trainer.evaluate([])
 
 
+def test_sampled_evaluation_depends_on_the_seed_and_items_alone(qwen_bpe):
+    """evaluate() drew from the agents' training streams: what training had drawn before, and prompts_per_step (the
+    evaluation's batch size), changed the samples. Item j now draws from streams fixed by the seed and j."""
+
+    def answers(prompts_per_step, seed=42, advance=False):
+        trainer = MAGRPOTrainer(
+            model=qwen_bpe,
+            num_agents=2,
+            train_dataset=DATA,
+            reward_func=length_reward,
+            args=small_args(prompts_per_step=prompts_per_step, seed=seed),
+        )
+        if advance:  # as a training step would
+            for agent in trainer.team:
+                torch.rand(100, generator=agent.generator)
+        seen = []
+        trainer.env.rewards[0].func = lambda a, b: seen.extend(zip(a, b)) or [0.0] * len(a)
+        trainer.evaluate(DATA, num_generations=2, do_sample=True)
+        return seen
+
+    first = answers(prompts_per_step=1)
+    assert len(first) == 8 and len(set(first)) == 8  # 4 items x 2 samples, each its own
+    assert answers(prompts_per_step=3) == first
+    assert answers(prompts_per_step=2, advance=True) == first
+    assert answers(prompts_per_step=1, seed=0) != first
+
+
 def test_agents_generate_concurrently_when_given_a_pool():
     """Agents on separate devices overlap their generate calls (here: a fake engine that waits for its partner)."""
     import threading
@@ -690,7 +717,7 @@ def test_agents_generate_concurrently_when_given_a_pool():
     barrier = threading.Barrier(2, timeout=5)
 
     class WaitingEngine:
-        def generate(self, agent, prompts, num_generations, params):
+        def generate(self, agent, prompts, num_generations, params, seeds=None):
             barrier.wait()  # only returns if both agents are generating at the same time
             return agent
 

@@ -106,10 +106,17 @@ class AgentParallel(Processes):
         prompts: Sequence[Sequence[Any]],
         num_generations: int,
         params: Sequence[Any],
+        seeds: Sequence[Sequence[int]] | None = None,
     ) -> list[Any]:
-        """This rank generates for its agent (sampling by ``params[rank]``); every rank receives every agent's
-        ``Generation`` (on the CPU)."""
-        own = engine.generate(agents[self.rank], prompts[self.rank], num_generations, params[self.rank])
+        """This rank generates for its agent (sampling by ``params[rank]``, from ``seeds[rank]`` when given); every
+        rank receives every agent's ``Generation`` (on the CPU)."""
+        own = engine.generate(
+            agents[self.rank],
+            prompts[self.rank],
+            num_generations,
+            params[self.rank],
+            seeds=None if seeds is None else seeds[self.rank],
+        )
         gathered = self.gather(own.to("cpu"))  # what all_gather_object sends
         gathered[self.rank] = own
         return gathered

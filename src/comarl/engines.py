@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -87,9 +88,18 @@ class Engine(Protocol):
     """
 
     def generate(
-        self, agent: Agent, prompts: Sequence[Prompt], num_generations: int, params: SamplingParams
+        self,
+        agent: Agent,
+        prompts: Sequence[Prompt],
+        num_generations: int,
+        params: SamplingParams,
+        seeds: Sequence[int] | None = None,
     ) -> Generation:
-        """``len(prompts) x num_generations`` completions of ``agent``, prompt-major (see :class:`Generation`)."""
+        """``len(prompts) x num_generations`` completions of ``agent``, prompt-major (see :class:`Generation`).
+
+        ``seeds``, one per prompt: prompt b's samples are drawn from a stream seeded with ``seeds[b]`` (vLLM's
+        per-request seed), so they do not depend on the other prompts of the call; None: ``agent.generator``.
+        """
         ...
 
 
@@ -108,8 +118,17 @@ class HFEngine:
 
     @torch.no_grad()
     def generate(
-        self, agent: Agent, prompts: Sequence[Prompt], num_generations: int, params: SamplingParams
+        self,
+        agent: Agent,
+        prompts: Sequence[Prompt],
+        num_generations: int,
+        params: SamplingParams,
+        seeds: Sequence[int] | None = None,
     ) -> Generation:
+        if seeds is not None and len(seeds) != len(prompts):
+            raise ValueError(
+                f"HFEngine.generate: {len(seeds)} seeds for {len(prompts)} prompts; pass one per prompt"
+            )
         tok = agent.tokenizer
         prompt_ids, prompt_mask = agent.encode(prompts)
         check_context(agent, prompt_ids.shape[1], params.max_new_tokens)
@@ -130,6 +149,7 @@ class HFEngine:
                     agent.eos_token_ids,
                     tok.pad_token_id,
                     agent.generator,
+                    seeds,
                 )
         finally:
             agent.model.train(was_training)
@@ -243,6 +263,7 @@ def sample_completions(
     eos_token_ids: Sequence[int],
     pad_token_id: int,
     generator: torch.Generator | None = None,
+    seeds: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Completion ids ``[B * G, T]`` (row ``b * G + j`` = sample j of prompt b) from left-padded prompts ``[B, P]``.
 
@@ -250,8 +271,9 @@ def sample_completions(
     over all rows. Row r stops at its first EOS (later positions hold ``pad_token_id``); the loop
     ends when every row has stopped or after ``max_new_tokens``. Position ids follow the attention
     mask, as in ``model.generate`` with left padding. Tokens are drawn by :func:`next_tokens`, from
-    ``generator`` (torch's global stream when None). Logits that are NaN or infinite (a model that overflowed)
-    make the call raise once decoding ends.
+    ``generator`` (torch's global stream when None), or with ``seeds`` (one per prompt) from
+    :func:`seeded_draws`, which makes a prompt's samples independent of the other prompts of the call. Logits
+    that are NaN or infinite (a model that overflowed) make the call raise once decoding ends.
     """
     from transformers import DynamicCache
 
@@ -280,8 +302,16 @@ def sample_completions(
     running = torch.ones(rows, dtype=torch.bool, device=device)
     # Each row's largest logits summed over the steps: NaN or infinite once the row's logits were (checked once, below).
     top_logits = torch.zeros(rows, device=device)
+    draws = seeded_draws(seeds, G, T, device) if seeds is not None and params.do_sample else None
     for t in range(T):
-        chosen = next_tokens(logits, params, eos, suppress_eos=t < params.min_new_tokens, generator=generator)
+        chosen = next_tokens(
+            logits,
+            params,
+            eos,
+            suppress_eos=t < params.min_new_tokens,
+            generator=generator,
+            draw=None if draws is None else draws[:, t : t + 1],
+        )
         top_logits += logits.amax(dim=-1)
         tokens[:, t] = torch.where(running, chosen, pad_token_id)
         running &= ~torch.isin(chosen, eos)
@@ -311,15 +341,17 @@ def next_tokens(
     eos: torch.Tensor,
     suppress_eos: bool = False,
     generator: torch.Generator | None = None,
+    draw: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token per row from next-token ``logits[rows, V]``: the argmax, or a draw from :func:`sampling_scores`.
 
     The draw is by inverse CDF: with ``c = cumsum(softmax(z))`` and ``u = (1 - U[0, 1)) * c[-1]`` in
     ``(0, c[-1]]``, the token is the first ``i`` with ``c[i] >= u``, so ``P(i) = p[i] / c[-1]`` and a
     token of probability 0 is never drawn (``torch.multinomial`` draws the same distribution, more
-    slowly on CPU). A row with nothing to draw from (NaN or infinite scores) still gets an id inside the
-    vocabulary; the caller refuses such rows (:func:`sample_completions` does, once per call: checking each
-    draw here would wait on the device at every token).
+    slowly on CPU). ``U`` is ``draw[rows, 1]`` when given, else drawn from ``generator``. A row with nothing to
+    draw from (NaN or infinite scores) still gets an id inside the vocabulary; the caller refuses such rows
+    (:func:`sample_completions` does, once per call: checking each draw here would wait on the device at every
+    token).
     """
     scores = sampling_scores(logits, params, eos, suppress_eos)
     if not params.do_sample:
@@ -329,10 +361,31 @@ def next_tokens(
     # neighbour and be drawn. Zeroing its entry and taking the running max gives it a window of exactly 0 (on
     # the CPU the sum is sequential and this changes nothing).
     cdf = probs.cumsum(dim=-1).masked_fill(probs == 0, 0).cummax(dim=-1).values
-    draw = torch.rand(cdf.shape[0], 1, device=cdf.device, dtype=cdf.dtype, generator=generator)
+    if draw is None:
+        draw = torch.rand(cdf.shape[0], 1, device=cdf.device, dtype=cdf.dtype, generator=generator)
     u = (1 - draw) * cdf[:, -1:]
     # A NaN CDF (NaN scores) makes searchsorted answer V, one past the vocabulary.
     return torch.searchsorted(cdf, u).squeeze(1).clamp_(max=cdf.shape[-1] - 1)
+
+
+def seeded_draws(
+    seeds: Sequence[int], num_generations: int, max_new_tokens: int, device: torch.device | str
+) -> torch.Tensor:
+    """Uniform draws ``[len(seeds) * G, T]`` for :func:`next_tokens`: the G rows of prompt b (row ``b * G + j``,
+    step t in column t) come from a stream seeded with ``seeds[b]`` alone. Sample j of a prompt therefore gets
+    the same draws whatever else shares the call, and on the CPU whatever G is (row j is the stream's j-th T
+    values; a CUDA generator lays its numbers out by the size drawn)."""
+    streams = [torch.Generator(device).manual_seed(seed) for seed in seeds]
+    return torch.cat(
+        [torch.rand(num_generations, max_new_tokens, generator=g, device=device) for g in streams]
+    )
+
+
+def stream_seed(*keys: int) -> int:
+    """A seed in ``[0, 2**63)`` fixed by the integers ``keys`` alone (their BLAKE2b digest): e.g.
+    ``stream_seed(seed, item)`` for an item's episodes, the same in every process and Python version."""
+    digest = hashlib.blake2b(repr(tuple(int(k) for k in keys)).encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1
 
 
 def sampling_scores(

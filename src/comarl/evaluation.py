@@ -29,7 +29,7 @@ import torch
 
 from comarl.agents import Agent
 from comarl.config import ConfigError
-from comarl.engines import Engine, HFEngine, SamplingParams
+from comarl.engines import Engine, HFEngine, SamplingParams, stream_seed
 from comarl.envs import Env
 from comarl.rollout import Rollout, collect
 from comarl.tracking import json_ready  # the one rule for NaN in JSON output, shared with metrics.jsonl
@@ -263,11 +263,13 @@ def play_episodes(
     num_samples: int,
     params: SamplingParams,
     num_turns: int,
+    seeds: Sequence[int],
 ) -> list[dict[str, Any]]:
     """``num_samples`` episodes per item, every agent acting on its own prompt (the team and single modes).
 
-    Returns one record per episode, item-major: ``turns`` (per turn, each agent's prompt and
-    completion), ``reward`` (the team's return), ``success`` and ``components`` (of the last step).
+    ``seeds``, one per item, fix the item's draws (see :func:`comarl.rollout.collect`). Returns one record per
+    episode, item-major: ``turns`` (per turn, each agent's prompt and completion), ``reward`` (the team's
+    return), ``success`` and ``components`` (of the last step).
     """
     if num_turns == 1:
         rollout = collect(
@@ -278,6 +280,7 @@ def play_episodes(
             num_generations=num_samples,
             params=[params] * len(agents),
             joint_mode="aligned",
+            seeds=seeds,
         )
     else:  # independent episodes, not a tree: each item repeated, one answer per agent per turn
         repeated = [item for item in items for _ in range(num_samples)]
@@ -289,6 +292,7 @@ def play_episodes(
             num_generations=1,
             params=[params] * len(agents),
             num_turns=num_turns,
+            seeds=[stream_seed(seed, j) for seed in seeds for j in range(num_samples)],
         )
     return _episode_records(rollout, len(agents))
 
@@ -301,24 +305,38 @@ def play_pipeline(
     num_samples: int,
     params: SamplingParams,
     pipeline_prompt: Callable[[Mapping[str, Any], str], str],
+    seeds: Sequence[int],
 ) -> list[dict[str, Any]]:
     """Agent 0 answers ``num_samples`` times per item; agent 1 answers each of those once, having read it.
 
     Agent 1's prompt is ``pipeline_prompt(item, agent 0's completion)``; the team environment
-    ``env`` scores the joint answer. Records as in :func:`play_episodes`.
+    ``env`` scores the joint answer. ``seeds``, one per item, fix the item's draws. Records as in
+    :func:`play_episodes`.
     """
     episodes = []
     for item in items:
         episode = env.fork()
         observations = episode.reset(item)
         episodes.append((episode, observations))
-    first = engine.generate(agents[0], [obs[0] for _, obs in episodes], num_samples, params)
+    first = engine.generate(
+        agents[0],
+        [obs[0] for _, obs in episodes],
+        num_samples,
+        params,
+        seeds=[stream_seed(seed, 0) for seed in seeds],
+    )
     second_prompts = [
         pipeline_prompt(item, first.completions[b * num_samples + j])
         for b, item in enumerate(items)
         for j in range(num_samples)
     ]
-    second = engine.generate(agents[1], second_prompts, 1, params)
+    second = engine.generate(
+        agents[1],
+        second_prompts,
+        1,
+        params,
+        seeds=[stream_seed(seed, 1, j) for seed in seeds for j in range(num_samples)],
+    )
     rows = range(len(items) * num_samples)
     joint = [[first.completions[r], second.completions[r]] for r in rows]
     results = env.step_many(
@@ -393,9 +411,9 @@ def evaluate_task(
 
     Items are ``load_items(split, source)`` of the task (``source`` defaults to the task's: writing
     "local", code "humaneval"), the first ``limit`` of them when given (``items``: those, already
-    loaded by :func:`task_items`), ``batch_size`` items per batched generate call. Agent ``i`` samples
-    from its own stream seeded with ``seed + i`` (its ``generator`` is put back afterwards; torch's
-    global stream is not used). Returns a JSON-ready dict: the request
+    loaded by :func:`task_items`), ``batch_size`` items per batched generate call. Sampling draws from
+    streams fixed by ``seed``, the item's index, the episode and the agent (:func:`comarl.rollout.collect`), so
+    the results do not depend on ``batch_size``; the agents' own streams and torch's global one are not used. Returns a JSON-ready dict: the request
     (``task``, ``mode``, ``split``, ``source``, ``num_items``, ``num_samples``, ``num_turns``,
     ``temperature`` (None: greedy), ``agents``), ``metrics`` (see :func:`summarize`) and
     ``samples``: one record per episode with ``item``, ``id``, ``sample``, ``turns`` (each turn's
@@ -425,27 +443,24 @@ def evaluate_task(
     engine = HFEngine()
 
     records: list[dict[str, Any]] = []
-    streams = [agent.generator for agent in agents]  # a trainer's agents carry their training streams
     try:
-        for i, agent in enumerate(agents):
-            # The seed decides every draw, whoever owns the agent; training streams are left as they were.
-            agent.generator = torch.Generator(agent.device).manual_seed(seed + i)
         for start in range(0, len(items), batch_size):
             batch = items[start : start + batch_size]
+            # Each item's draws come from its own streams, fixed by the seed and its index: the same at any
+            # batch size, whoever owns the agents (their own streams, e.g. a trainer's, are not used).
+            seeds = [stream_seed(seed, start + b) for b in range(len(batch))]
             if mode == "pipeline":
                 played = play_pipeline(
-                    env, agents, batch, engine, num_samples, params, protocol.pipeline_prompt
+                    env, agents, batch, engine, num_samples, params, protocol.pipeline_prompt, seeds
                 )
             else:
-                played = play_episodes(env, agents, batch, engine, num_samples, params, num_turns)
+                played = play_episodes(env, agents, batch, engine, num_samples, params, num_turns, seeds)
             for e, record in enumerate(played):
                 index = start + e // num_samples
                 item_id = items[index][protocol.id_key]
                 records.append({"item": index, "id": item_id, "sample": e % num_samples, **record})
     finally:
         env.close()  # the code env stops its sandbox pool
-        for agent, stream in zip(agents, streams):
-            agent.generator = stream
 
     return {
         "task": task,

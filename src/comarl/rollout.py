@@ -13,7 +13,7 @@ import torch
 
 from comarl.agents import Agent
 from comarl.algorithms import cross_returns
-from comarl.engines import Engine, Generation, SamplingParams, concat_generations
+from comarl.engines import Engine, Generation, SamplingParams, concat_generations, stream_seed
 from comarl.envs import Env, StepResult, short_repr
 
 if TYPE_CHECKING:
@@ -57,6 +57,7 @@ class _Node:
     episode: Env
     observations: list[Any]
     parent: tuple[int, int] | None  # (parent node, joint action index)
+    seed: int | None = None  # the node's sampling streams derive from it (collect's seeds)
 
 
 def joint_action_indices(
@@ -107,15 +108,19 @@ def generate_all(
     params: Sequence[SamplingParams],
     pool: Any = None,
     parallel: AgentParallel | None = None,
+    seeds: Sequence[Sequence[int]] | None = None,
 ) -> list[Generation]:
-    """One batched generate per agent, agent i sampling by ``params[i]``: concurrent in threads when a pool is given
-    (agents on separate devices), or one agent per process when ``parallel`` is given (``comarl.distributed``)."""
+    """One batched generate per agent, agent i sampling by ``params[i]`` (from the streams ``seeds[i]``, one per
+    prompt, when given): concurrent in threads when a pool is given (agents on separate devices), or one agent per
+    process when ``parallel`` is given (``comarl.distributed``)."""
     if parallel is not None:
-        return parallel.generate_all(engine, agents, prompts, num_generations, params)
-    jobs = [(agent, prompts[i], params[i]) for i, agent in enumerate(agents)]
+        return parallel.generate_all(engine, agents, prompts, num_generations, params, seeds)
+    jobs = [
+        (agent, prompts[i], params[i], None if seeds is None else seeds[i]) for i, agent in enumerate(agents)
+    ]
     if pool is None:
-        return [engine.generate(a, p, num_generations, sp) for a, p, sp in jobs]
-    futures = [pool.submit(engine.generate, a, p, num_generations, sp) for a, p, sp in jobs]
+        return [engine.generate(a, p, num_generations, sp, seeds=s) for a, p, sp, s in jobs]
+    futures = [pool.submit(engine.generate, a, p, num_generations, sp, seeds=s) for a, p, sp, s in jobs]
     return [f.result() for f in futures]
 
 
@@ -162,16 +167,21 @@ def collect(
     pool: Any = None,
     parallel: AgentParallel | None = None,
     shards: Processes | None = None,
+    seeds: Sequence[int] | None = None,
 ) -> Rollout:
     """Play every item as a tree of turns and credit each completion with its return.
 
     Turn by turn, every node of every item (siblings included) is generated in one batched call
-    per agent, agent i sampling by ``params[i]``. Each node's joint actions go to the environment in one ``step_many``; a joint
+    per agent, agent i sampling by ``params[i]``, from its own stream (``agent.generator``) or, with ``seeds``
+    (one per item), from streams fixed by the item's seed, the node's place in its tree and the agent: an item's
+    episodes are then the same whatever other items share the call (evaluation at any batch size). Each node's joint actions go to the environment in one ``step_many``; a joint
     action whose episode is not done gets a child node for the next turn, unless the turn limit
     is reached, the node's mean team reward exceeds ``early_termination_threshold`` (off by
     default), or the branch is not among the ``max_children`` sampled for expansion.
     """
     N, G = len(agents), num_generations
+    if seeds is not None and len(seeds) != len(items):
+        raise ValueError(f"collect: {len(seeds)} seeds for {len(items)} items; pass one per item")
     roots = []
     for b, item in enumerate(items):
         episode = env.fork()  # each item's own state, even if reset changes attributes in place
@@ -180,7 +190,7 @@ def collect(
             raise ValueError(
                 f"{type(env).__name__}.reset returned {len(observations)} observations for {N} agents (item {b})"
             )
-        roots.append(_Node(b, 0, episode, list(observations), None))
+        roots.append(_Node(b, 0, episode, list(observations), None, None if seeds is None else seeds[b]))
 
     nodes: list[_Node] = []
     level_generations: list[list[Generation]] = []
@@ -199,7 +209,14 @@ def collect(
             continue
         started = time.perf_counter()
         gens = generate_all(
-            engine, agents, [[n.observations[i] for n in level] for i in range(N)], G, params, pool, parallel
+            engine,
+            agents,
+            [[n.observations[i] for n in level] for i in range(N)],
+            G,
+            params,
+            pool,
+            parallel,
+            None if seeds is None else [[stream_seed(n.seed, i) for n in level] for i in range(N)],
         )
         generate_seconds += time.perf_counter() - started
         level_generations.append(gens)
@@ -235,8 +252,11 @@ def collect(
                         f"environment) and {N} next observations"
                     )
                 children.setdefault(offset + j, {})[k] = len(nodes) + len(next_level)
+                seed = None if node.seed is None else stream_seed(node.seed, k)
                 next_level.append(
-                    _Node(node.item, depth + 1, result.episode, list(result.observations), (offset + j, k))
+                    _Node(
+                        node.item, depth + 1, result.episode, list(result.observations), (offset + j, k), seed
+                    )
                 )
         level = next_level
 

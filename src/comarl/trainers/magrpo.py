@@ -56,7 +56,7 @@ from comarl.distributed import (
     sum_and_clip_gradients,
     whole_state_dict,
 )
-from comarl.engines import Generation, HFEngine, SamplingParams, bf16_autocast, on_device
+from comarl.engines import Generation, HFEngine, SamplingParams, bf16_autocast, on_device, stream_seed
 from comarl.envs import Env, FunctionEnv, comlrl_transition
 from comarl.memory import (
     ModelMemory,
@@ -797,8 +797,9 @@ class MAGRPOTrainer:
 
         Greedy unless ``do_sample`` (default ``eval_do_sample``); ``num_generations`` completions per
         agent per item (default ``num_generations_eval``), joined aligned. Multi-turn: ``num_generations``
-        independent episodes per item, one answer per agent per turn. Sampling draws from the agents' own
-        streams, which are put back afterwards: evaluating never changes what training samples.
+        independent episodes per item, one answer per agent per turn. Sampling draws from streams fixed by
+        ``seed`` and each item's index (not the agents' own streams): every evaluation of a run draws the same
+        random numbers, at any batch size, and evaluating never changes what training samples.
 
         With CoMLRL's hooks (``eval_logger=`` and ``eval_aggregator=`` given to the trainer), also
         ``eval_logger(agent_completions_turns=, batch_items=, prompts=)`` over every evaluated episode
@@ -821,34 +822,33 @@ class MAGRPOTrainer:
         params = self._sampling(do_sample=args.eval_do_sample if do_sample is None else do_sample)
         parts: dict[str, list[torch.Tensor]] = {}
         episodes: list[tuple[Any, list[list[str]]]] = []  # (item, answers[turn][agent]) for the CoMLRL hooks
-        streams = {
-            i: self.team[i].generator.get_state() for i in self.local if self.team[i].generator is not None
-        }
-        try:
-            for start in range(0, count, args.prompts_per_step):
-                items = [dataset[j] for j in range(start, min(start + args.prompts_per_step, count))]
-                paths = 1
-                if args.num_turns > 1:
-                    # G independent episodes per item (not a G-ary tree): each path samples one answer per turn.
-                    items, paths = [item for item in items for _ in range(G)], G
-                rollout = collect(
-                    self.task_env,
-                    self.team.agents,
-                    items,
-                    engine=self.engine,
-                    num_generations=G // paths,
-                    params=params,
-                    **self._tree_settings(),
-                    parallel=self.parallel,
-                    shards=self._weight_shards(),
-                )
-                for key, values in rollout_values(rollout).items():
-                    parts.setdefault(key, []).append(values)
-                if self.eval_logger is not None:
-                    episodes += episode_answers(rollout, items)
-        finally:
-            for i, state in streams.items():
-                self.team[i].generator.set_state(state)
+        for start in range(0, count, args.prompts_per_step):
+            indices = range(start, min(start + args.prompts_per_step, count))
+            items = [dataset[j] for j in indices]
+            # Item j's draws come from streams fixed by the seed and j alone: the same at every evaluation (a
+            # change between two is the weights', not the luck's) and at any batch size.
+            seeds = [stream_seed(args.seed, j) for j in indices]
+            paths = 1
+            if args.num_turns > 1:
+                # G independent episodes per item (not a G-ary tree): each path samples one answer per turn.
+                items, paths = [item for item in items for _ in range(G)], G
+                seeds = [stream_seed(seed, e) for seed in seeds for e in range(G)]
+            rollout = collect(
+                self.task_env,
+                self.team.agents,
+                items,
+                engine=self.engine,
+                num_generations=G // paths,
+                params=params,
+                **self._tree_settings(),
+                parallel=self.parallel,
+                shards=self._weight_shards(),
+                seeds=seeds,
+            )
+            for key, values in rollout_values(rollout).items():
+                parts.setdefault(key, []).append(values)
+            if self.eval_logger is not None:
+                episodes += episode_answers(rollout, items)
         metrics = {
             f"eval/{k}": float(torch.cat(v).nanmean()) for k, v in parts.items() if torch.cat(v).numel()
         }
