@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from comarl import IACTrainer
+from comarl import IACTrainer, MAACTrainer
 from comarl.config import (
     ConfigError,
     IACConfig,
@@ -187,11 +187,25 @@ def test_parallel_training_mp_needs_agent_devices_as_in_comlrl(cls):
 # ----------------------------------------------------------------------------- IAC / MAAC
 
 
-def test_critic_learning_rate_none_is_the_agents_learning_rate():
-    assert IACConfig(critic_learning_rate=None).critic_learning_rate == 5e-6
-    assert IACConfig(agent_learning_rate=3e-5, critic_learning_rate=None).critic_learning_rate == 3e-5
-    assert MAACConfig(learning_rate=2e-5, critic_learning_rate=None).critic_learning_rate == 2e-5
-    assert IACConfig().critic_learning_rate == 1e-4  # comarl's default is unchanged
+def test_critic_learning_rate_none_is_the_rate_of_the_agent_it_serves(qwen_bpe):
+    """None was replaced by learning_rate when the config was built: a later replace(learning_rate=) kept the old
+    rate for the critics, and a value head ignored its agent's own rate (agent_settings)."""
+    assert IACConfig(critic_learning_rate=None).critic_rate(5e-6) == 5e-6
+    assert IACConfig().critic_rate(5e-6) == 1e-4  # comarl's default is unchanged
+    config = replace(IACConfig(critic_learning_rate=None, max_new_tokens=4), learning_rate=3e-5)
+    common = dict(
+        model=qwen_bpe, num_agents=2, reward_func=lambda a, b: [0.0], train_dataset=[{"prompt": "hi"}] * 4
+    )
+    settings = [{}, {"learning_rate": 1e-3}]
+    heads = IACTrainer(**common, args=replace(config, agent_settings=settings))
+    # the value head is the last parameter group of its agent's optimizer
+    assert [opt.param_groups[-1]["initial_lr"] for opt in heads.optimizers] == [3e-5, 1e-3]
+    critics = IACTrainer(**common, critic_model=qwen_bpe, args=replace(config, agent_settings=settings))
+    assert [opt.param_groups[0]["lr"] for opt in critics.critic_optimizers] == [3e-5, 1e-3]
+    central = MAACTrainer(**common, args=replace(MAACConfig(critic_learning_rate=None), learning_rate=2e-5))
+    assert central.critic_optimizers[0].param_groups[0]["lr"] == 2e-5
+    with pytest.raises(ConfigError, match=r"^critic_learning_rate=0: must be > 0 \(or None\)$"):
+        IACConfig(critic_learning_rate=0)
 
 
 def test_use_separate_critic_false_is_the_value_head_comarl_uses_without_a_critic_model():

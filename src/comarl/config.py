@@ -870,7 +870,8 @@ class ActorCriticConfig(MAGRPOConfig):
         default=None,
     )
     critic_learning_rate: float | None = _help(
-        "AdamW learning rate of the critic / value head; None = learning_rate (CoMLRL's IAC fallback).",
+        "AdamW learning rate of the critic / value head; None = the rate of the agent it serves (agent_settings "
+        "included; the centralized critic: learning_rate), CoMLRL's IAC fallback.",
         default=1e-4,
     )
     value_coef: float = _help(
@@ -904,15 +905,18 @@ class ActorCriticConfig(MAGRPOConfig):
     critic_value_head_hidden_dim: InitVar[int | None] = None
     value_head_hidden_dim: InitVar[int | None] = None
 
+    def critic_rate(self, agent_rate: float) -> float:
+        """The critic's AdamW learning rate: ``critic_learning_rate``, or when None ``agent_rate``, the rate of the
+        agent it serves (CoMLRL's IAC fallback; read when the optimizers are built, so a later change of
+        ``learning_rate`` is followed)."""
+        return agent_rate if self.critic_learning_rate is None else self.critic_learning_rate
+
     def take_comlrl_spellings(self, given: dict[str, Any]) -> None:
         super().take_comlrl_spellings(given)
         if given["value_clip_range"] is not None:
             self.value_clip = given["value_clip_range"]
         if given["value_loss_coef"] is not None:
             self.value_coef = given["value_loss_coef"]
-        # CoMLRL's IACConfig: None falls back to the agents' learning rate
-        if self.critic_learning_rate is None:
-            self.critic_learning_rate = self.learning_rate
         separate = given["use_separate_critic"]
         if separate is None:
             return
@@ -982,9 +986,10 @@ class ActorCriticConfig(MAGRPOConfig):
                 )
         if not 0 <= self.gae_lambda <= 1:
             raise ConfigError(f"gae_lambda={self.gae_lambda!r}: must be in [0, 1]")
-        for name in ("critic_learning_rate", "value_coef"):
-            if not getattr(self, name) > 0:
-                raise ConfigError(f"{name}={getattr(self, name)!r}: must be > 0")
+        if self.critic_learning_rate is not None and not self.critic_learning_rate > 0:
+            raise ConfigError(f"critic_learning_rate={self.critic_learning_rate!r}: must be > 0 (or None)")
+        if not self.value_coef > 0:
+            raise ConfigError(f"value_coef={self.value_coef!r}: must be > 0")
         if self.entropy_coef < 0:
             raise ConfigError(f"entropy_coef={self.entropy_coef!r}: must be >= 0")
         if self.value_clip is not None and not self.value_clip > 0:

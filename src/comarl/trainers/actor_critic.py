@@ -157,18 +157,22 @@ class ActorCriticTrainer(MAGRPOTrainer):
                 self._schedule(opt, self.training_steps_of(i)) if opt is not None else None
                 for i, opt in enumerate(self.optimizers)
             ]
+        # A critic of one agent learns at that agent's rate when critic_learning_rate is None; the centralized one
+        # serves the team, at the team's rate.
         self.critic_optimizers = [
             adamw(
                 list(c.parameters()),
                 self._optimizer_group(self.data),
-                lr=a.critic_learning_rate,
+                lr=a.critic_rate(
+                    a.learning_rate if a.centralized_critic else self.agent_args[i].learning_rate
+                ),
                 betas=(a.adam_beta1, a.adam_beta2),
                 eps=a.adam_epsilon,
                 weight_decay=a.weight_decay,
             )
             if c is not None
             else None
-            for c in self.critics
+            for i, c in enumerate(self.critics)
         ]
         # One mini-batch shuffle stream per agent and per critic: a process that holds one of them (agent
         # parallelism) draws the same orders as one process holding all.
@@ -539,7 +543,10 @@ class ActorCriticTrainer(MAGRPOTrainer):
         optimizer = super()._optimizer(i)
         if head is not None:
             optimizer.add_param_group(
-                {"params": list(head.parameters()), "lr": self.args.critic_learning_rate}
+                {
+                    "params": list(head.parameters()),
+                    "lr": self.args.critic_rate(self.agent_args[i].learning_rate),
+                }
             )
         return optimizer
 
