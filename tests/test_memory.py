@@ -300,6 +300,8 @@ def test_copies_held_while_a_model_runs_count_once_per_process_on_a_device():
 def test_the_trainer_plans_autocast_copies_under_bf16(qwen_bpe):
     plan, _ = plan_of(MAGRPOTrainer, qwen_bpe, args(bf16=True))
     assert plan["agent 0"].autocast == 2 * model_size(qwen_bpe).parameters
+    plan, _ = plan_of(MAGRPOTrainer, qwen_bpe, args(agent_settings=[{}, {"bf16": True}]))
+    assert (plan["agent 0"].autocast, plan["agent 1"].autocast) == (0, 2 * model_size(qwen_bpe).parameters)
 
 
 def test_processes_sharing_a_device_check_all_its_models():

@@ -368,6 +368,28 @@ def test_bf16_autocasts_generation_and_the_update_while_weights_stay_fp32(qwen_b
     assert any(not torch.equal(p, before[n]) for n, p in model.named_parameters())
 
 
+def test_bf16_per_agent_runs_each_agent_in_its_own_precision(qwen_bpe):
+    """agent_settings=[{"bf16": True}, {}]: agent 0 generates and is scored under bf16 autocast, agent 1 in fp32
+    (e.g. a large agent beside a small one); both keep fp32 weights."""
+    trainer = MAGRPOTrainer(
+        model=qwen_bpe,
+        num_agents=2,
+        train_dataset=DATA,
+        reward_func=length_reward,
+        args=small_args(agent_settings=[{"bf16": True}, {}], beta=0.1),
+    )
+    seen = {0: [], 1: []}  # (gradients on, logits dtype) of each agent's forwards
+    for i, agent in enumerate(trainer.team):
+        agent.model.lm_head.register_forward_hook(
+            lambda m, inputs, out, i=i: seen[i].append((torch.is_grad_enabled(), out.dtype))
+        )
+    trainer.training_step(DATA[:2])
+    assert {grad for grad, _ in seen[0]} == {grad for grad, _ in seen[1]} == {False, True}
+    assert {dtype for _, dtype in seen[0]} == {torch.bfloat16}
+    assert {dtype for _, dtype in seen[1]} == {torch.float32}
+    assert all(p.dtype == torch.float32 for agent in trainer.team for p in agent.model.parameters())
+
+
 def test_cross_mode_credits_the_mean_over_joint_actions(qwen_bpe):
     trainer = MAGRPOTrainer(
         model=qwen_bpe,

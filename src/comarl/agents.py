@@ -117,6 +117,8 @@ class Agent:
         self.source = source
         # This agent's own sampling stream (the trainer seeds it); None samples from torch's global stream.
         self.generator: torch.Generator | None = None
+        # Its forwards (generation and scoring) under bf16 autocast; the weights stay fp32 (the trainer sets it).
+        self.bf16 = False
         if device is not None:
             self.model.to(device)
         disable_dropout(self.model)

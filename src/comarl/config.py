@@ -92,6 +92,7 @@ AGENT_SETTINGS = (
     "min_new_tokens",
     "micro_batch_size",
     "micro_batch_tokens",
+    "bf16",
 )
 JOINT_MODES = ("aligned", "cross")
 REWARD_CALLS = ("per_joint_action", "batched")
@@ -368,7 +369,8 @@ class MAGRPOConfig:
     )
     bf16: bool = _help(
         "bf16 autocast for generation and training forwards (GPU or CPU); weights and AdamW states stay fp32. On CPU "
-        "it pays only where the CPU has bf16 instructions (AVX512-BF16, AMX).",
+        "it pays only where the CPU has bf16 instructions (AVX512-BF16, AMX). Per agent through agent_settings "
+        "(e.g. a large agent in bf16 beside a small one in fp32); critics with a model of their own follow this one.",
         default=False,
     )
     lora_r: int | None = _help(

@@ -108,13 +108,10 @@ class HFEngine:
 
     Each distinct prompt is run through the model once and its KV cache copied to its G samples
     (``model.generate`` would run every prompt G times), then :func:`sample_completions` draws
-    all rows together, one forward per new token. With ``bf16=True`` the whole call runs under bf16
-    autocast (CPU or CUDA), the precision the trainer then scores the samples in: the fp32 weights
+    all rows together, one forward per new token. For an agent with ``bf16`` set the whole call runs under
+    bf16 autocast (CPU or CUDA), the precision the trainer then scores the samples in: the fp32 weights
     are cast once per call (autocast's cache), and decoding reads half the bytes.
     """
-
-    def __init__(self, bf16: bool = False) -> None:
-        self.bf16 = bf16
 
     @torch.no_grad()
     def generate(
@@ -137,7 +134,7 @@ class HFEngine:
         try:
             with (
                 on_device(prompt_ids.device),
-                bf16_autocast(prompt_ids.device, self.bf16),
+                bf16_autocast(prompt_ids.device, agent.bf16),
                 whole_weights(agent.model),
             ):
                 completion_ids = sample_completions(

@@ -49,7 +49,7 @@ from comarl.critics import (
     policy_forward,
 )
 from comarl.distributed import sum_and_clip_gradients
-from comarl.engines import Generation
+from comarl.engines import Generation, bf16_autocast
 from comarl.envs import prompt_text
 from comarl.memory import ModelMemory, model_memory, model_size
 from comarl.rollout import Rollout
@@ -309,7 +309,7 @@ class ActorCriticTrainer(MAGRPOTrainer):
                 first_row = torch.zeros(1, dtype=torch.long)
                 for mb, real in self._padded(i, rows.split(micro) if len(rows) else (), filler=first_row):
                     mask = scored[mb]
-                    with self._autocast(device):
+                    with self._autocast(i):
                         logp, entropy, values = policy_forward(
                             agent.model,
                             head,
@@ -399,7 +399,7 @@ class ActorCriticTrainer(MAGRPOTrainer):
                     continue
                 steps += 1
                 for mb in rows.split(micro) if len(rows) else ():  # a shard may hold none of a mini-batch
-                    with self._autocast(critic.device):
+                    with bf16_autocast(critic.device, args.bf16):
                         values = critic(ids[mb], mask[mb])
                     loss = value_loss(values, old_values[mb], targets[mb], args.value_clip).mean(
                         dim=1
@@ -490,7 +490,8 @@ class ActorCriticTrainer(MAGRPOTrainer):
         batches = [slice(s, s + step) for s in range(0, ids.shape[0], step)]
         parts = []
         for sl, real in self._padded(agent, batches, filler=slice(0, 1)):
-            with self._autocast(device):
+            # a value head runs its agent's model, in the agent's precision; a critic model in the team's
+            with self._autocast(agent) if agent is not None else bf16_autocast(device, self.args.bf16):
                 values = fn(ids[sl].to(device), mask[sl].to(device)).float().cpu()
             if real:
                 parts.append(values)

@@ -285,7 +285,9 @@ class MAGRPOTrainer:
             # one process or one process per agent, and no random numbers shared between agents. Data shards
             # draw from streams of their own.
             agent.generator = torch.Generator(agent.device).manual_seed(args.seed + 200 + i + 1000 * shard)
-        self.engine = HFEngine(bf16=args.bf16)
+        for i, agent in enumerate(self.team):
+            agent.bf16 = self.agent_args[i].bf16  # generation and scoring in the agent's precision
+        self.engine = HFEngine()
         distinct = {str(self.team[i].device) for i in self.local}
         # Agents on separate accelerators generate and update concurrently; on one device they take turns.
         self.pool = (
@@ -385,7 +387,7 @@ class MAGRPOTrainer:
                     reference=self._keeps_reference() and lora is None and trains,
                     optimizer_shards=1 if a.shard_weights else self._optimizer_shards(self.data),
                     weight_shards=self.data.world_size if a.shard_weights else 1,
-                    bf16=a.bf16,
+                    bf16=self.agent_args[i].bf16,
                 )
             )
         return plan
@@ -735,7 +737,7 @@ class MAGRPOTrainer:
         totals = {"loss": 0.0, "clip_fraction": 0.0} | ({} if ref is None else {"kl": 0.0})
         for sl, real in self._padded(i, batches, filler=slice(0, 1)):
             mask = scored[sl]
-            with self._autocast(agent.device):
+            with self._autocast(i):
                 logp = agent.completion_logprobs(
                     gen.prompt_ids[sl],
                     gen.prompt_mask[sl],
@@ -1033,7 +1035,7 @@ class MAGRPOTrainer:
         """Agent ``i``'s token log-probs of ``gen`` at its sampling temperature (``model``: e.g. its reference)."""
         agent, parts = self.team[i], []
         for sl, real in self._padded(i, batches, filler=slice(0, 1)):
-            with self._autocast(agent.device):
+            with self._autocast(i):
                 logp = agent.completion_logprobs(
                     gen.prompt_ids[sl],
                     gen.prompt_mask[sl],
@@ -1059,9 +1061,11 @@ class MAGRPOTrainer:
         most = max(shards.gather(len(real)))
         return real + [(filler, False)] * (most - len(real))
 
-    def _autocast(self, device: torch.device) -> AbstractContextManager[Any]:
-        """A training forward's precision on ``device``: the engine's rule, so that samples are scored as drawn."""
-        return bf16_autocast(device, self.args.bf16)
+    def _autocast(self, i: int) -> AbstractContextManager[Any]:
+        """Agent ``i``'s training forward precision: the engine's rule (its ``bf16``), so that samples are scored as
+        drawn."""
+        agent = self.team[i]
+        return bf16_autocast(agent.device, agent.bf16)
 
     def _optimizer(self, i: int) -> torch.optim.Optimizer:
         """AdamW over agent ``i``'s trainable parameters at its learning rate: the Agent's own if it has one, else

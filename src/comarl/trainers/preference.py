@@ -222,7 +222,7 @@ class MADPOTrainer(MAGRPOTrainer):
         # another shard's extra micro-batch: the first candidate, with weight 0
         first = (torch.zeros(1, dtype=torch.long), 0.0)
         for (part_rows, part_weight), _ in self._padded(i, parts, filler=first):
-            with self._autocast(agent.device):
+            with self._autocast(i):
                 logp = self._row_logprobs(agent, gen, part_rows)
             (part_weight * logp).sum().backward()
         grad_norm, lr = self._apply_gradients(i)
@@ -313,7 +313,7 @@ class MADPOTrainer(MAGRPOTrainer):
         parts = []
         batches = [rows[s : s + micro] for s in range(0, len(rows), micro)]
         for scored, real in self._padded(i, batches, filler=torch.zeros(1, dtype=torch.long)):
-            with self._autocast(agent.device):
+            with self._autocast(i):
                 logp = self._row_logprobs(agent, gen, scored, model)
             if real:
                 parts.append(logp.float().cpu())
