@@ -322,6 +322,11 @@ def test_two_data_shards_train_what_one_process_trains(
         ):  # its KL reference too, after training
             assert sum(r["reference_held"][i] for r in ranks) == whole
     assert_metrics_equal(ranks, expected)
+    # each shard evaluates its share of the items (shard_weights: all of them, together); the pooled numbers are one
+    # process's
+    expected_eval = single.evaluate()
+    for r in ranks:
+        assert r["eval"] == pytest.approx(expected_eval, rel=1e-5)
     assert_saved_agents_compute(out, single)
     # shards play different episodes: their Python/NumPy and joint-action streams differ (they were equal)
     assert (

@@ -729,6 +729,50 @@ def test_sampled_evaluation_depends_on_the_seed_and_items_alone(qwen_bpe):
     assert answers(prompts_per_step=1, seed=0) != first
 
 
+def test_data_shards_split_the_evaluation_and_report_one_process_numbers(qwen_bpe):
+    """Under data parallelism every process evaluated every item (D times the work). Shard r now plays items r,
+    r + D, ...; the pooled metrics and the CoMLRL hooks' episodes (in item order) equal one process's, sampled
+    too, since an item's draws are its own. Two shards in one process here: a stand-in gather hands rank 0 the
+    part rank 1 computed."""
+    items = [{"prompt": p} for p in ("def add(a, b):", "the agents meet", "alice and bob", "return a", "x =")]
+    logged = []
+
+    def eval_logger(agent_completions_turns, batch_items, prompts):
+        logged.append((agent_completions_turns, batch_items))
+        return [{}]
+
+    trainer = MAGRPOTrainer(
+        model=qwen_bpe,
+        num_agents=2,
+        train_dataset=DATA,
+        reward_func=length_reward,
+        args=small_args(prompts_per_step=2),
+        eval_logger=eval_logger,
+        eval_aggregator=lambda metrics, num_turns: {},
+    )
+    played = []
+    trainer.env.rewards[0].func = lambda a, b: played.append(len(a)) or length_reward(a, b)
+    one_process = trainer.evaluate(items, num_generations=2, do_sample=True)
+
+    class Shard:
+        def __init__(self, rank: int, other: object) -> None:
+            self.rank, self.world_size, self.other = rank, 2, other
+
+        def gather(self, obj: object) -> list:
+            self.sent = obj
+            return [obj, self.other] if self.rank == 0 else [self.other, obj]
+
+    played.clear()
+    trainer.data = Shard(1, ({}, []))
+    trainer.evaluate(items, num_generations=2, do_sample=True)
+    assert played == [2, 2]  # items 1 and 3, one at a time (prompts_per_step / 2), 2 joint actions each
+    trainer.data = Shard(0, trainer.data.sent)
+    played.clear()
+    assert trainer.evaluate(items, num_generations=2, do_sample=True) == pytest.approx(one_process)
+    assert played == [2, 2, 2]  # items 0, 2 and 4
+    assert logged[2] == logged[0]  # every episode, in item order
+
+
 def test_agents_generate_concurrently_when_given_a_pool():
     """Agents on separate devices overlap their generate calls (here: a fake engine that waits for its partner)."""
     import threading

@@ -822,13 +822,22 @@ class MAGRPOTrainer:
             raise ConfigError(f"evaluate(num_generations={G!r}): must be an integer >= 1")
         count = len(dataset) if args.eval_num_samples is None else min(args.eval_num_samples, len(dataset))
         params = self._sampling(do_sample=args.eval_do_sample if do_sample is None else do_sample)
+        # Data shards split the items, as training splits a step's prompts: item j's draws are its own (below), so
+        # the split changes no number. Processes holding shares of the weights (shard_weights) evaluate every
+        # item together instead: each generate call gathers the layers from all of them.
+        D, shard = (
+            (1, 0) if self.data is None or args.shard_weights else (self.data.world_size, self.data.rank)
+        )
+        mine, per_call = list(range(count))[shard::D], max(args.prompts_per_step // D, 1)
         parts: dict[str, list[torch.Tensor]] = {}
-        episodes: list[tuple[Any, list[list[str]]]] = []  # (item, answers[turn][agent]) for the CoMLRL hooks
-        for start in range(0, count, args.prompts_per_step):
-            indices = range(start, min(start + args.prompts_per_step, count))
+        episodes: list[
+            tuple[int, Any, list[list[str]]]
+        ] = []  # (index, item, answers[turn][agent]): CoMLRL hooks
+        for start in range(0, len(mine), per_call):
+            indices = mine[start : start + per_call]
             items = [dataset[j] for j in indices]
             # Item j's draws come from streams fixed by the seed and j alone: the same at every evaluation (a
-            # change between two is the weights', not the luck's) and at any batch size.
+            # change between two is the weights', not the luck's), at any batch size and in any shard.
             seeds = [stream_seed(args.seed, j) for j in indices]
             paths = 1
             if args.num_turns > 1:
@@ -850,17 +859,23 @@ class MAGRPOTrainer:
             for key, values in rollout_values(rollout).items():
                 parts.setdefault(key, []).append(values)
             if self.eval_logger is not None:
-                episodes += episode_answers(rollout, items)
-        metrics = {
-            f"eval/{k}": float(torch.cat(v).nanmean()) for k, v in parts.items() if torch.cat(v).numel()
-        }
+                played = episode_answers(rollout, items)
+                per_item = len(played) // len(indices)
+                episodes += [(indices[e // per_item], item, turns) for e, (item, turns) in enumerate(played)]
+        pooled = {k: torch.cat(v) for k, v in parts.items()}
+        if D > 1:  # every shard's samples, and the episodes in item order, as one process plays them
+            gathered = self.data.gather((pooled, episodes))
+            keys = dict.fromkeys(k for part, _ in gathered for k in part)
+            pooled = {k: torch.cat([part[k] for part, _ in gathered if k in part]) for k in keys}
+            episodes = sorted((e for _, part in gathered for e in part), key=lambda e: e[0])
+        metrics = {f"eval/{k}": float(v.nanmean()) for k, v in pooled.items() if v.numel()}
         if self.eval_logger is not None and self.eval_aggregator is not None:
             logged = self.eval_logger(
                 agent_completions_turns=[
-                    [[turn[i] for turn in turns] for _, turns in episodes] for i in range(self.num_agents)
+                    [[turn[i] for turn in turns] for _, _, turns in episodes] for i in range(self.num_agents)
                 ],
-                batch_items=[item for item, _ in episodes],
-                prompts=[item.get("prompt", "") if isinstance(item, dict) else "" for item, _ in episodes],
+                batch_items=[item for _, item, _ in episodes],
+                prompts=[item.get("prompt", "") if isinstance(item, dict) else "" for _, item, _ in episodes],
             )
             for key, value in self.eval_aggregator(logged, num_turns=args.num_turns).items():
                 metrics[f"eval/{key}"] = value
