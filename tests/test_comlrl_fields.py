@@ -5,7 +5,7 @@ from dataclasses import replace
 
 import pytest
 
-from comarl import IACTrainer, MAACTrainer
+from comarl import Agent, IACTrainer, MAACTrainer
 from comarl.config import (
     ConfigError,
     IACConfig,
@@ -202,6 +202,14 @@ def test_critic_learning_rate_none_is_the_rate_of_the_agent_it_serves(qwen_bpe):
     assert [opt.param_groups[-1]["initial_lr"] for opt in heads.optimizers] == [3e-5, 1e-3]
     critics = IACTrainer(**common, critic_model=qwen_bpe, args=replace(config, agent_settings=settings))
     assert [opt.param_groups[0]["lr"] for opt in critics.critic_optimizers] == [3e-5, 1e-3]
+    own = Agent.from_pretrained(qwen_bpe, learning_rate=2e-4)  # an Agent's own rate wins, for its head too
+    heads = IACTrainer(
+        agents=[own, qwen_bpe],
+        reward_func=common["reward_func"],
+        train_dataset=common["train_dataset"],
+        args=config,
+    )
+    assert [opt.param_groups[-1]["initial_lr"] for opt in heads.optimizers] == [2e-4, 3e-5]
     central = MAACTrainer(**common, args=replace(MAACConfig(critic_learning_rate=None), learning_rate=2e-5))
     assert central.critic_optimizers[0].param_groups[0]["lr"] == 2e-5
     with pytest.raises(ConfigError, match=r"^critic_learning_rate=0: must be > 0 \(or None\)$"):

@@ -165,7 +165,8 @@ def _torchrun(
 @pytest.mark.parametrize(
     ("trainer", "overrides", "saved"),
     [
-        ("MAREINFORCE", {}, []),
+        # sampled evaluation: each process draws its agent's streams from the seeds the episode's processes share
+        ("MAREINFORCE", {"eval_do_sample": True, "num_generations_eval": 2}, []),
         (  # each process samples and scores its agent by the agent's own settings
             "IPPO",
             {

@@ -302,6 +302,9 @@ def test_the_trainer_plans_autocast_copies_under_bf16(qwen_bpe):
     assert plan["agent 0"].autocast == 2 * model_size(qwen_bpe).parameters
     plan, _ = plan_of(MAGRPOTrainer, qwen_bpe, args(agent_settings=[{}, {"bf16": True}]))
     assert (plan["agent 0"].autocast, plan["agent 1"].autocast) == (0, 2 * model_size(qwen_bpe).parameters)
+    # one model in both roles: its holder counts the casts that agent 1's bf16 forwards make of the shared weights
+    plan, _ = plan_of(MAGRPOTrainer, qwen_bpe, args(share_weights=True, agent_settings=[{}, {"bf16": True}]))
+    assert (plan["agent 0"].autocast, plan["agent 1"].autocast) == (2 * model_size(qwen_bpe).parameters, 0)
 
 
 def test_processes_sharing_a_device_check_all_its_models():

@@ -22,7 +22,9 @@ class CountingEngine:
     def __init__(self) -> None:
         self.calls: list[tuple[str, int]] = []
 
-    def generate(self, agent, prompts, num_generations, params, seeds=None):
+    def generate(
+        self, agent, prompts, num_generations, params
+    ):  # no seeds=: engines need them only to evaluate
         self.calls.append((agent.name, len(prompts)))
         rows = len(prompts) * num_generations
         texts = [f"{agent.name}s{j}" for _ in prompts for j in range(num_generations)]

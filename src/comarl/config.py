@@ -872,8 +872,9 @@ class ActorCriticConfig(MAGRPOConfig):
         default=None,
     )
     critic_learning_rate: float | None = _help(
-        "AdamW learning rate of the critic / value head; None = the rate of the agent it serves (agent_settings "
-        "included; the centralized critic: learning_rate), CoMLRL's IAC fallback.",
+        "AdamW learning rate of the critic / value head; None = the rate of the agent it serves (its "
+        "Agent(learning_rate=), else its agent_settings rate, else learning_rate; the centralized critic: "
+        "learning_rate), CoMLRL's IAC fallback.",
         default=1e-4,
     )
     value_coef: float = _help(

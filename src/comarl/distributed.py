@@ -110,12 +110,15 @@ class AgentParallel(Processes):
     ) -> list[Any]:
         """This rank generates for its agent (sampling by ``params[rank]``, from ``seeds[rank]`` when given); every
         rank receives every agent's ``Generation`` (on the CPU)."""
-        own = engine.generate(
+        from comarl.engines import generate
+
+        own = generate(
+            engine,
             agents[self.rank],
             prompts[self.rank],
             num_generations,
             params[self.rank],
-            seeds=None if seeds is None else seeds[self.rank],
+            None if seeds is None else seeds[self.rank],
         )
         gathered = self.gather(own.to("cpu"))  # what all_gather_object sends
         gathered[self.rank] = own

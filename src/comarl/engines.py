@@ -166,6 +166,21 @@ class HFEngine:
         )
 
 
+def generate(
+    engine: Engine,
+    agent: Agent,
+    prompts: Sequence[Prompt],
+    num_generations: int,
+    params: SamplingParams,
+    seeds: Sequence[int] | None = None,
+) -> Generation:
+    """``engine.generate``, passing ``seeds=`` only when there are seeds: an engine without seeded sampling (an
+    older ``generate(agent, prompts, num_generations, params)``) still trains; only seeded evaluation needs it."""
+    if seeds is None:
+        return engine.generate(agent, prompts, num_generations, params)
+    return engine.generate(agent, prompts, num_generations, params, seeds=seeds)
+
+
 def completion_mask(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
     """1 for every generated token up to and including the first EOS, 0 after it.
 
@@ -327,7 +342,7 @@ def sample_completions(
         raise FloatingPointError(
             f"sample_completions: {type(model).__name__} gave NaN or infinite next-token logits for "
             f"{broken} of {rows} rows, nothing to draw from: its weights hold NaN/inf (a diverged "
-            "update?) or its activations overflowed; check the weights, or run in fp32 (bf16=False)"
+            "update?) or its activations overflowed; check the weights, or run in fp32 (bf16=False, also in agent_settings)"
         )
     return tokens[:, : t + 1]
 

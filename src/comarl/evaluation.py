@@ -29,9 +29,9 @@ import torch
 
 from comarl.agents import Agent
 from comarl.config import ConfigError
-from comarl.engines import Engine, HFEngine, SamplingParams, stream_seed
+from comarl.engines import Engine, HFEngine, SamplingParams, generate, stream_seed
 from comarl.envs import Env
-from comarl.rollout import Rollout, collect
+from comarl.rollout import Rollout, collect, independent_episodes
 from comarl.tracking import json_ready  # the one rule for NaN in JSON output, shared with metrics.jsonl
 
 TASKS = ("code", "writing")
@@ -263,12 +263,12 @@ def play_episodes(
     num_samples: int,
     params: SamplingParams,
     num_turns: int,
-    seeds: Sequence[int],
+    seeds: Sequence[int] | None = None,
 ) -> list[dict[str, Any]]:
     """``num_samples`` episodes per item, every agent acting on its own prompt (the team and single modes).
 
-    ``seeds``, one per item, fix the item's draws (see :func:`comarl.rollout.collect`). Returns one record per
-    episode, item-major: ``turns`` (per turn, each agent's prompt and completion), ``reward`` (the team's
+    ``seeds``, one per item, fix the item's draws (see :func:`comarl.rollout.collect`; None: the agents' own
+    streams). Returns one record per episode, item-major: ``turns`` (per turn, each agent's prompt and completion), ``reward`` (the team's
     return), ``success`` and ``components`` (of the last step).
     """
     if num_turns == 1:
@@ -283,7 +283,7 @@ def play_episodes(
             seeds=seeds,
         )
     else:  # independent episodes, not a tree: each item repeated, one answer per agent per turn
-        repeated = [item for item in items for _ in range(num_samples)]
+        repeated, episode_seeds = independent_episodes(items, seeds, num_samples)
         rollout = collect(
             env,
             agents,
@@ -292,7 +292,7 @@ def play_episodes(
             num_generations=1,
             params=[params] * len(agents),
             num_turns=num_turns,
-            seeds=[stream_seed(seed, j) for seed in seeds for j in range(num_samples)],
+            seeds=episode_seeds,
         )
     return _episode_records(rollout, len(agents))
 
@@ -305,37 +305,39 @@ def play_pipeline(
     num_samples: int,
     params: SamplingParams,
     pipeline_prompt: Callable[[Mapping[str, Any], str], str],
-    seeds: Sequence[int],
+    seeds: Sequence[int] | None = None,
 ) -> list[dict[str, Any]]:
     """Agent 0 answers ``num_samples`` times per item; agent 1 answers each of those once, having read it.
 
     Agent 1's prompt is ``pipeline_prompt(item, agent 0's completion)``; the team environment
-    ``env`` scores the joint answer. ``seeds``, one per item, fix the item's draws. Records as in
-    :func:`play_episodes`.
+    ``env`` scores the joint answer. ``seeds``, one per item, fix the item's draws (None: the agents' own
+    streams). Records as in :func:`play_episodes`.
     """
     episodes = []
     for item in items:
         episode = env.fork()
         observations = episode.reset(item)
         episodes.append((episode, observations))
-    first = engine.generate(
+    first = generate(
+        engine,
         agents[0],
         [obs[0] for _, obs in episodes],
         num_samples,
         params,
-        seeds=[stream_seed(seed, 0) for seed in seeds],
+        None if seeds is None else [stream_seed(seed, 0) for seed in seeds],
     )
     second_prompts = [
         pipeline_prompt(item, first.completions[b * num_samples + j])
         for b, item in enumerate(items)
         for j in range(num_samples)
     ]
-    second = engine.generate(
+    second = generate(
+        engine,
         agents[1],
         second_prompts,
         1,
         params,
-        seeds=[stream_seed(seed, 1, j) for seed in seeds for j in range(num_samples)],
+        None if seeds is None else [stream_seed(seed, 1, j) for seed in seeds for j in range(num_samples)],
     )
     rows = range(len(items) * num_samples)
     joint = [[first.completions[r], second.completions[r]] for r in rows]

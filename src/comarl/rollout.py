@@ -13,7 +13,7 @@ import torch
 
 from comarl.agents import Agent
 from comarl.algorithms import cross_returns
-from comarl.engines import Engine, Generation, SamplingParams, concat_generations, stream_seed
+from comarl.engines import Engine, Generation, SamplingParams, concat_generations, generate, stream_seed
 from comarl.envs import Env, StepResult, short_repr
 
 if TYPE_CHECKING:
@@ -119,9 +119,18 @@ def generate_all(
         (agent, prompts[i], params[i], None if seeds is None else seeds[i]) for i, agent in enumerate(agents)
     ]
     if pool is None:
-        return [engine.generate(a, p, num_generations, sp, seeds=s) for a, p, sp, s in jobs]
-    futures = [pool.submit(engine.generate, a, p, num_generations, sp, seeds=s) for a, p, sp, s in jobs]
+        return [generate(engine, a, p, num_generations, sp, s) for a, p, sp, s in jobs]
+    futures = [pool.submit(generate, engine, a, p, num_generations, sp, s) for a, p, sp, s in jobs]
     return [f.result() for f in futures]
+
+
+def independent_episodes(
+    items: Sequence[Any], seeds: Sequence[int] | None, count: int
+) -> tuple[list[Any], list[int] | None]:
+    """``count`` single-path episodes of each item, as multi-turn evaluation plays them (not a tree): the items
+    repeated, episode e of an item seeded with ``stream_seed(its seed, e)`` (None: no seeds)."""
+    repeated = [item for item in items for _ in range(count)]
+    return repeated, None if seeds is None else [stream_seed(seed, e) for seed in seeds for e in range(count)]
 
 
 def keep_in_step(
@@ -174,7 +183,9 @@ def collect(
     Turn by turn, every node of every item (siblings included) is generated in one batched call
     per agent, agent i sampling by ``params[i]``, from its own stream (``agent.generator``) or, with ``seeds``
     (one per item), from streams fixed by the item's seed, the node's place in its tree and the agent: an item's
-    episodes are then the same whatever other items share the call (evaluation at any batch size). Each node's joint actions go to the environment in one ``step_many``; a joint
+    completions are then the same whatever other items share the call (evaluation at any batch size). Which joint
+    actions are scored (``joint_mode='cross'`` with ``max_joint_actions``) and which get children
+    (``max_children``) are still drawn from ``generator``, shared by the call's items. Each node's joint actions go to the environment in one ``step_many``; a joint
     action whose episode is not done gets a child node for the next turn, unless the turn limit
     is reached, the node's mean team reward exceeds ``early_termination_threshold`` (off by
     default), or the branch is not among the ``max_children`` sampled for expansion.

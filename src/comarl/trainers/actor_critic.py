@@ -163,9 +163,7 @@ class ActorCriticTrainer(MAGRPOTrainer):
             adamw(
                 list(c.parameters()),
                 self._optimizer_group(self.data),
-                lr=a.critic_rate(
-                    a.learning_rate if a.centralized_critic else self.agent_args[i].learning_rate
-                ),
+                lr=a.critic_rate(a.learning_rate if a.centralized_critic else self._learning_rate(i)),
                 betas=(a.adam_beta1, a.adam_beta2),
                 eps=a.adam_epsilon,
                 weight_decay=a.weight_decay,
@@ -546,7 +544,7 @@ class ActorCriticTrainer(MAGRPOTrainer):
             optimizer.add_param_group(
                 {
                     "params": list(head.parameters()),
-                    "lr": self.args.critic_rate(self.agent_args[i].learning_rate),
+                    "lr": self.args.critic_rate(self._learning_rate(i)),
                 }
             )
         return optimizer

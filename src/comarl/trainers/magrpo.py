@@ -70,7 +70,14 @@ from comarl.memory import (
     sharing_devices,
     summary,
 )
-from comarl.rollout import Rollout, collect, episode_answers, greedy_returns, with_rewards
+from comarl.rollout import (
+    Rollout,
+    collect,
+    episode_answers,
+    greedy_returns,
+    independent_episodes,
+    with_rewards,
+)
 
 
 class MAGRPOTrainer:
@@ -387,7 +394,8 @@ class MAGRPOTrainer:
                     reference=self._keeps_reference() and lora is None and trains,
                     optimizer_shards=1 if a.shard_weights else self._optimizer_shards(self.data),
                     weight_shards=self.data.world_size if a.shard_weights else 1,
-                    bf16=self.agent_args[i].bf16,
+                    # one model in every role: its first user holds the casts if any role runs in bf16
+                    bf16=any(x.bf16 for x in self.agent_args) if a.share_weights else self.agent_args[i].bf16,
                 )
             )
         return plan
@@ -842,8 +850,7 @@ class MAGRPOTrainer:
             paths = 1
             if args.num_turns > 1:
                 # G independent episodes per item (not a G-ary tree): each path samples one answer per turn.
-                items, paths = [item for item in items for _ in range(G)], G
-                seeds = [stream_seed(seed, e) for seed in seeds for e in range(G)]
+                (items, seeds), paths = independent_episodes(items, seeds, G), G
             rollout = collect(
                 self.task_env,
                 self.team.agents,
@@ -1082,16 +1089,19 @@ class MAGRPOTrainer:
         agent = self.team[i]
         return bf16_autocast(agent.device, agent.bf16)
 
+    def _learning_rate(self, i: int) -> float:
+        """Agent ``i``'s learning rate: the Agent's own if it has one, else its agent_settings', else the config's."""
+        own = self.team[i].learning_rate
+        return own if own is not None else self.agent_args[i].learning_rate
+
     def _optimizer(self, i: int) -> torch.optim.Optimizer:
-        """AdamW over agent ``i``'s trainable parameters at its learning rate: the Agent's own if it has one, else
-        its agent_settings', else the config's."""
+        """AdamW over agent ``i``'s trainable parameters at its :meth:`_learning_rate`."""
         a, agent = self.args, self.team[i]
-        lr = agent.learning_rate if agent.learning_rate is not None else self.agent_args[i].learning_rate
         params = [p for p in agent.model.parameters() if p.requires_grad]
         return adamw(
             params,
             None if a.shard_weights else self._optimizer_group(self.data),  # shard_weights: already a share
-            lr=lr,
+            lr=self._learning_rate(i),
             betas=(a.adam_beta1, a.adam_beta2),
             eps=a.adam_epsilon,
             weight_decay=a.weight_decay,
