@@ -773,6 +773,39 @@ def test_data_shards_split_the_evaluation_and_report_one_process_numbers(qwen_bp
     assert logged[2] == logged[0]  # every episode, in item order
 
 
+def test_success_rate_counts_unflagged_ended_episodes_in_every_batch(qwen_bpe):
+    """An environment that flags only wins: a batch (or data shard) whose episodes all lost reported no flag and
+    dropped out of eval/success (1 win of 4 read 0.5 at two items per batch). Its episodes are unsolved."""
+    from comarl import Env, StepResult
+
+    class OnlyWinsFlagged(Env):
+        num_agents = 2
+
+        def reset(self, item):
+            self.item = item
+            return [item["prompt"]] * 2
+
+        def step(self, joint_action):
+            win = self.item["prompt"] == "win"
+            return StepResult([float(win)] * 2, done=True, info={"success": True} if win else {})
+
+    items = [{"prompt": p} for p in ("win", "lose", "lose", "lose")]
+    for prompts_per_step in (4, 2, 1):
+        trainer = MAGRPOTrainer(
+            model=qwen_bpe,
+            num_agents=2,
+            train_dataset=items,
+            env=OnlyWinsFlagged(),
+            args=small_args(prompts_per_step=prompts_per_step),
+        )
+        metrics = trainer.evaluate(items)
+        assert (metrics["eval/success"], metrics["eval/reward"]) == (0.25, 0.25), prompts_per_step
+    no_flags = MAGRPOTrainer(model=qwen_bpe, num_agents=2, train_dataset=items, reward_func=length_reward)
+    assert not any(
+        k.startswith("eval/success") for k in no_flags.evaluate(items)
+    )  # a task without the notion
+
+
 def test_agents_generate_concurrently_when_given_a_pool():
     """Agents on separate devices overlap their generate calls (here: a fake engine that waits for its partner)."""
     import threading

@@ -837,7 +837,7 @@ class MAGRPOTrainer:
             (1, 0) if self.data is None or args.shard_weights else (self.data.world_size, self.data.rank)
         )
         mine, per_call = list(range(count))[shard::D], max(args.prompts_per_step // D, 1)
-        parts: dict[str, list[torch.Tensor]] = {}
+        parts: list[dict[str, torch.Tensor]] = []  # rollout_values of each batch
         episodes: list[
             tuple[int, Any, list[list[str]]]
         ] = []  # (index, item, answers[turn][agent]): CoMLRL hooks
@@ -863,18 +863,18 @@ class MAGRPOTrainer:
                 shards=self._weight_shards(),
                 seeds=seeds,
             )
-            for key, values in rollout_values(rollout).items():
-                parts.setdefault(key, []).append(values)
+            parts.append(rollout_values(rollout))
             if self.eval_logger is not None:
                 played = episode_answers(rollout, items)
                 per_item = len(played) // len(indices)
                 episodes += [(indices[e // per_item], item, turns) for e, (item, turns) in enumerate(played)]
-        pooled = {k: torch.cat(v) for k, v in parts.items()}
         if D > 1:  # every shard's samples, and the episodes in item order, as one process plays them
-            gathered = self.data.gather((pooled, episodes))
-            keys = dict.fromkeys(k for part, _ in gathered for k in part)
-            pooled = {k: torch.cat([part[k] for part, _ in gathered if k in part]) for k in keys}
-            episodes = sorted((e for _, part in gathered for e in part), key=lambda e: e[0])
+            gathered = self.data.gather((parts, episodes))
+            parts = [part for shard_parts, _ in gathered for part in shard_parts]
+            episodes = sorted(
+                (e for _, shard_episodes in gathered for e in shard_episodes), key=lambda e: e[0]
+            )
+        pooled = pooled_values(parts)
         metrics = {f"eval/{k}": float(v.nanmean()) for k, v in pooled.items() if v.numel()}
         if self.eval_logger is not None and self.eval_aggregator is not None:
             logged = self.eval_logger(
@@ -1202,8 +1202,11 @@ def rollout_values(rollout: Rollout) -> dict[str, torch.Tensor]:
     team_returns = rollout.node_returns.mean(dim=-1)  # [nodes, K]
     values = {"reward": team_returns[root].flatten()}
     ended = rollout.done.bool() | (rollout.depth == rollout.num_turns - 1).unsqueeze(1)
-    if rollout.success is not None:
-        values["success"] = rollout.success[ended]
+    # An ended episode without the flag did not succeed: a rollout in which none reported it (an environment that
+    # flags only wins, a batch without one) gives zeros, kept where another rollout it is pooled with reported.
+    reported = rollout.success is not None
+    values["success"] = rollout.success[ended] if reported else torch.zeros(int(ended.sum()))
+    values["success_reported"] = torch.tensor([float(reported)])
     for name, comp in rollout.components.items():
         values[f"reward/{name}"] = comp.flatten()
     N = rollout.rewards.shape[-1]
@@ -1221,15 +1224,25 @@ def rollout_values(rollout: Rollout) -> dict[str, torch.Tensor]:
     return values
 
 
+def pooled_values(parts: Sequence[dict[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """The ``rollout_values`` of several rollouts (evaluation batches, data shards), concatenated per key, as one
+    rollout of all their items gives them: ``success`` is kept when any of them reported success (the others'
+    ended episodes then count as unsolved), dropped when none did (a task without the notion)."""
+    keys = dict.fromkeys(k for part in parts for k in part)
+    pooled = {k: torch.cat([part[k] for part in parts if k in part]) for k in keys}
+    if not pooled.pop("success_reported").any():
+        del pooled["success"]
+    return pooled
+
+
 def rollout_metrics(rollout: Rollout, data: DataParallel | None = None) -> dict[str, float]:
     """Team-level training metrics of a rollout (see ``rollout_values``), plus the reward's spread; under data
     parallelism over every process's rollout."""
-    values, depth = rollout_values(rollout), rollout.depth
+    parts, depth = [rollout_values(rollout)], rollout.depth
     if data is not None:
-        parts = data.gather((values, depth))
-        keys = sorted({k for part, _ in parts for k in part})
-        values = {k: torch.cat([part[k] for part, _ in parts if k in part]) for k in keys}
-        depth = torch.cat([d for _, d in parts])
+        gathered = data.gather((parts[0], depth))
+        parts, depth = [part for part, _ in gathered], torch.cat([d for _, d in gathered])
+    values = pooled_values(parts)
     metrics = {k: float(v.nanmean()) for k, v in values.items() if v.numel()}
     metrics["reward_std"] = float(values["reward"].std()) if values["reward"].numel() > 1 else 0.0
     if int(depth.max()) > 0:
