@@ -17,7 +17,7 @@ from comarl.rollout import collect, greedy_returns, tree_returns, with_rewards
 
 
 class CountingEngine:
-    """A stand-in for HFEngine: completion j of agent i to prompt p is f"{p}|a{i}s{j}"; counts calls."""
+    """A stand-in for HFEngine: completion j of agent ``name`` is f"{name}s{j}" (whatever the prompt); counts calls."""
 
     def __init__(self) -> None:
         self.calls: list[tuple[str, int]] = []

@@ -291,6 +291,22 @@ def test_weighted_reward_functions_and_components():
     assert result.components == {"first": 4.0, "second": 3.0}
 
 
+def test_every_reward_function_gets_a_name_of_its_own():
+    """A function of the user's called reward_1 and a lambda in place 1 both got 'reward_1': scores are kept by
+    name, so each joint action got another's reward and the components merged."""
+
+    def reward_1(a, b):
+        return [1.0] * len(a)
+
+    env = FunctionEnv([reward_1, lambda a, b: [10.0] * len(a), reward_1], FORMATTERS, num_agents=2)
+    assert [fn.name for fn in env.rewards] == ["reward_1", "reward_1_1", "reward_2"]
+    episode = env.fork()
+    episode.reset(ITEM_X)
+    (row,) = env.step_many([episode], [[("x", "y"), ("xx", "yy")]])
+    assert [r.rewards for r in row] == [[12.0, 12.0], [12.0, 12.0]]
+    assert [r.components for r in row] == [{"reward_1": 1.0, "reward_1_1": 10.0, "reward_2": 1.0}] * 2
+
+
 def test_lambdas_are_named_by_position():
     env = FunctionEnv([lambda a, b: [1.0], lambda a, b: [2.0]], FORMATTERS, num_agents=2)
     assert [fn.name for fn in env.rewards] == ["reward_0", "reward_1"]

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from comarl import ConfigError, MAGRPOConfig, MAGRPOTrainer
 from comarl.envs import History
@@ -62,9 +63,14 @@ def test_self_play_trains_over_rounds(tmp_path):
         env=selfplay.HideAndSeek(rounds=3),
         args=args,
     )
+    before = [snapshot(agent.model) for agent in trainer.team]
     metrics = trainer.train()
     assert metrics["nodes_per_item"] == 3  # one branch per round: 1 + 1 + 1
     assert {"turn_1/reward", "turn_3/reward", "agent_0/reward", "agent_1/reward"} <= set(metrics)
+    # both sides take an optimizer step each training step; the hider, rewarded unevenly, moved (the seeker's
+    # two guesses may score alike, an advantage of 0 that leaves its weights as they were)
+    assert [int(next(iter(opt.state.values()))["step"]) for opt in trainer.optimizers] == [2, 2]
+    assert changed(trainer.team[0].model, before[0])
 
 
 def test_revise_transition_uses_the_agents_own_previous_answer():
@@ -73,6 +79,11 @@ def test_revise_transition_uses_the_agents_own_previous_answer():
     assert selfimprove.revise_transition(item, ["museum ."], history) == [
         "you said museum . the museum is closed . the park and the cafe are open . which place is open ?"
     ]
+    # at turn 2 the feedback is on the latest answer, not the first
+    history = History(
+        [["which place is open in lima ?", "you said museum . ..."]], [["museum .", "station ."]]
+    )
+    assert selfimprove.revise_transition(item, ["station ."], history)[0].startswith("you said station .")
     assert selfimprove.revise_transition(item, ["cafe"], History([[""]], [["cafe"]])) is None
 
 
@@ -98,6 +109,16 @@ def test_self_improvement_trains_one_agent_over_turns(tmp_path):
         transition=selfimprove.revise_transition,
         args=args,
     )
+    (before,) = [snapshot(agent.model) for agent in trainer.team]
     metrics = trainer.train()
     assert "turn_1/reward" in metrics and 1 <= metrics["nodes_per_item"] <= 3
+    assert changed(trainer.team[0].model, before)
     assert "eval/success" in trainer.evaluate()
+
+
+def snapshot(model):
+    return {name: p.detach().clone() for name, p in model.named_parameters()}
+
+
+def changed(model, before) -> bool:
+    return any(not torch.equal(p, before[name]) for name, p in model.named_parameters())

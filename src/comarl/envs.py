@@ -308,6 +308,10 @@ def reward_functions(
         name = getattr(func, "__name__", "") or type(func).__name__
         if name == "<lambda>" or name in seen:
             name = f"reward_{i}"
+        # Scores and components are kept by name: a user's function may already hold the one given here.
+        base, copy = name, 1
+        while name in seen:
+            name, copy = f"{base}_{copy}", copy + 1
         seen.add(name)
         wrapped.append(RewardFunction(func, name, 1.0 if weights is None else float(weights[i]), num_agents))
     return wrapped
@@ -453,7 +457,7 @@ def comlrl_transition(
 
     def transition(item: Item, completions: list[str], history: History) -> list[Any] | None:
         prompts = external_transition(
-            prompt=item.get("prompt"),
+            prompt=item.get("prompt", ""),  # CoMLRL's value for an item without one
             agent_completions=completions,
             num_agents=num_agents,
             prompt_history_per_agent=history.prompts,

@@ -199,7 +199,8 @@ def collect(
         observations = episode.reset(item)
         if len(observations) != N:
             raise ValueError(
-                f"{type(env).__name__}.reset returned {len(observations)} observations for {N} agents (item {b})"
+                f"{type(env).__name__}.reset returned {len(observations)} observations for {N} agents (item "
+                f"{short_repr(item)})"
             )
         roots.append(_Node(b, 0, episode, list(observations), None, None if seeds is None else seeds[b]))
 
@@ -259,8 +260,8 @@ def collect(
                 result = row[k]
                 if result.episode is None or result.observations is None or len(result.observations) != N:
                     raise ValueError(
-                        f"{type(env).__name__}.step_many: a result that is not done needs .episode (the branch's "
-                        f"environment) and {N} next observations"
+                        f"{type(env).__name__}.step / step_many: a result that is not done needs .episode (the "
+                        f"branch's environment) and {N} next observations"
                     )
                 children.setdefault(offset + j, {})[k] = len(nodes) + len(next_level)
                 seed = None if node.seed is None else stream_seed(node.seed, k)
