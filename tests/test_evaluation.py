@@ -239,6 +239,19 @@ def test_sampled_results_do_not_depend_on_the_batch_size(team, mode):
     assert len({str(turns) for _, _, turns, _ in one_by_one}) == 6  # sampled: every episode differs
 
 
+def test_agent_0_answers_alike_in_team_and_pipeline_modes(team):
+    """It reads the same prompt in both modes and draws from the same streams: the modes differ only in what agent
+    1 sees (common random numbers for comparing them)."""
+
+    def first_answers(mode):
+        return [
+            s["turns"][0]["completions"][0] for s in _run(team, mode, limit=3, max_new_tokens=6)["samples"]
+        ]
+
+    answers = first_answers("team")
+    assert first_answers("pipeline") == answers and len(set(answers)) == 6
+
+
 def test_multi_turn_episodes_follow_their_own_chain(team):
     """n independent episodes per item; each episode's later prompts come from its own earlier answers."""
 

@@ -342,7 +342,8 @@ def sample_completions(
         raise FloatingPointError(
             f"sample_completions: {type(model).__name__} gave NaN or infinite next-token logits for "
             f"{broken} of {rows} rows, nothing to draw from: its weights hold NaN/inf (a diverged "
-            "update?) or its activations overflowed; check the weights, or run in fp32 (bf16=False, also in agent_settings)"
+            "update?) or its activations overflowed; check the weights, or run in fp32 (bf16=False, also in "
+            "agent_settings)"
         )
     return tokens[:, : t + 1]
 

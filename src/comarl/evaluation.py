@@ -324,7 +324,8 @@ def play_pipeline(
         [obs[0] for _, obs in episodes],
         num_samples,
         params,
-        None if seeds is None else [stream_seed(seed, 0) for seed in seeds],
+        # agent 0's streams are those of the team mode (collect's), so both modes see its same answers
+        None if seeds is None else [stream_seed(seed, 0, 0) for seed in seeds],
     )
     second_prompts = [
         pipeline_prompt(item, first.completions[b * num_samples + j])
@@ -337,7 +338,7 @@ def play_pipeline(
         second_prompts,
         1,
         params,
-        None if seeds is None else [stream_seed(seed, 1, j) for seed in seeds for j in range(num_samples)],
+        None if seeds is None else [stream_seed(seed, 2, j) for seed in seeds for j in range(num_samples)],
     )
     rows = range(len(items) * num_samples)
     joint = [[first.completions[r], second.completions[r]] for r in rows]

@@ -228,7 +228,8 @@ def collect(
             params,
             pool,
             parallel,
-            None if seeds is None else [[stream_seed(n.seed, i) for n in level] for i in range(N)],
+            # keys (node seed, 0, agent) for the agents' streams, (node seed, 1, joint action) for children: apart
+            None if seeds is None else [[stream_seed(n.seed, 0, i) for n in level] for i in range(N)],
         )
         generate_seconds += time.perf_counter() - started
         level_generations.append(gens)
@@ -264,7 +265,7 @@ def collect(
                         f"branch's environment) and {N} next observations"
                     )
                 children.setdefault(offset + j, {})[k] = len(nodes) + len(next_level)
-                seed = None if node.seed is None else stream_seed(node.seed, k)
+                seed = None if node.seed is None else stream_seed(node.seed, 1, k)
                 next_level.append(
                     _Node(
                         node.item, depth + 1, result.episode, list(result.observations), (offset + j, k), seed
