@@ -346,6 +346,13 @@ def test_each_actor_is_scored_at_its_own_temperature_in_its_own_micro_batches(te
     # 2 prompts x 4 samples per agent in IPPO's 2 mini-batches of 4: agent 0 in micro-batches of 2 at temperature
     # 0.5, agent 1 a mini-batch per forward at 1.0
     assert seen == {0: {(2, 0.5)}, 1: {(4, 1.0)}}
+    # the values of the rollout's nodes too: agent 0's value head reads them in its micro-batches (it took the
+    # shared micro-batch settings: all 2 nodes at once)
+    rows = {0: [], 1: []}
+    for i, head in enumerate(trainer.value_heads):
+        head.register_forward_hook(lambda module, inputs, out, i=i: rows[i].append(len(inputs[0])))
+    trainer._critic_values(trainer._collect(demo.dataset()[:4]))
+    assert rows == {0: [2, 2], 1: [4]}
 
 
 def test_entropy_bonus_alone_raises_the_policy_entropy(team):

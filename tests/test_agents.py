@@ -148,3 +148,31 @@ def test_model_kwargs_for_a_model_object_are_refused_not_ignored(qwen_bpe):
     ):
         Agent.from_pretrained(model, qwen_bpe, model_kwargs={"attn_implementation": "eager"})
     assert Agent.from_pretrained(model, qwen_bpe, model_kwargs={}).model is model
+
+
+def test_every_weight_becomes_fp32_not_only_the_first(qwen_bpe):
+    """Only the first parameter's dtype was checked: a model with a bf16 weight further on kept it, and AdamW
+    stepped it in bf16."""
+    model = AutoModelForCausalLM.from_pretrained(qwen_bpe)
+    model.lm_head.weight.data = model.lm_head.weight.data.bfloat16()
+    model.model.norm.weight.data = model.model.norm.weight.data.bfloat16()
+    agent = Agent(model, AutoTokenizer.from_pretrained(qwen_bpe))
+    assert {p.dtype for p in agent.model.parameters()} == {torch.float32}
+
+
+def test_a_process_that_does_not_train_an_agent_loads_its_tokenizer_as_the_one_that_does(
+    qwen_bpe, monkeypatch
+):
+    """Under agent parallelism the other processes loaded agent i's own tokenizer without the hub settings
+    (revision, token, remote code) of model_config['model_kwargs']."""
+    from transformers import AutoTokenizer as Loader
+
+    from comarl.trainers.magrpo import _remote_agent
+
+    calls, load = [], Loader.from_pretrained
+    monkeypatch.setattr(Loader, "from_pretrained", lambda name, **kw: calls.append(kw) or load(name, **kw))
+    settings = {
+        "model_kwargs": {"revision": "main", "local_files_only": True, "attn_implementation": "eager"}
+    }
+    _remote_agent(qwen_bpe, None, 1, settings)
+    assert calls == [{"revision": "main", "local_files_only": True}]

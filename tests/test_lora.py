@@ -75,6 +75,27 @@ def test_saved_adapters_load_back_as_the_trained_agent(qwen_bpe, tmp_path):
         assert torch.allclose(loaded(input_ids=ids).logits, trained, atol=1e-5)
 
 
+def test_a_shared_base_from_a_saved_lora_agent_is_refused(qwen_bpe, tmp_path):
+    """lora_shared_base gives every agent a new adapter on the base: from a saved LoRA agent's folder the saved
+    adapter sat unused beside them (training restarted from the base without a word)."""
+    first = MAGRPOTrainer(
+        model=qwen_bpe,
+        num_agents=1,
+        train_dataset=DATA,
+        reward_func=lambda a: [len(x) for x in a],
+        args=MAGRPOConfig(**lora_args()),
+    )
+    first.save_model(tmp_path)
+    with pytest.raises(ConfigError, match=r"^lora_shared_base=True: .*agent_0 is a saved LoRA agent"):
+        MAGRPOTrainer(
+            model=str(tmp_path / "agent_0"),
+            num_agents=2,
+            train_dataset=DATA,
+            reward_func=lambda a, b: [0.0],
+            args=MAGRPOConfig(**lora_args(), lora_shared_base=True),
+        )
+
+
 def test_a_saved_lora_agent_trains_on_from_its_adapter(qwen_bpe, tmp_path):
     """An agent folder that save_model wrote loaded frozen (transformers' adapter loading): without lora_r the
     optimizer got no parameters; with lora_r a fresh adapter named like the saved one replaced it (training restarted

@@ -806,6 +806,42 @@ def test_success_rate_counts_unflagged_ended_episodes_in_every_batch(qwen_bpe):
     )  # a task without the notion
 
 
+def test_an_agents_own_formatter_makes_its_prompt(qwen_bpe):
+    """Agent(formatter=) counted only when every agent had one (one without: all dropped, every agent read
+    item["prompt"]), and with env= it was refused as if formatters= had been given."""
+    from comarl.envs import FunctionEnv
+
+    def agents():
+        return [Agent.from_pretrained(qwen_bpe, formatter=lambda item: "Q:" + item["prompt"]), qwen_bpe]
+
+    trainer = MAGRPOTrainer(agents=agents(), train_dataset=DATA, reward_func=length_reward, args=small_args())
+    assert trainer.env.reset(DATA[0]) == ["Q:def add(a, b):", "def add(a, b):"]
+    with pytest.raises(ConfigError, match=r"^Agent\(formatter=\) and formatters=/env= both say how"):
+        MAGRPOTrainer(
+            agents=agents(), train_dataset=DATA, reward_func=length_reward, formatters=str, args=small_args()
+        )
+    env = FunctionEnv(length_reward, None, 2)
+    with pytest.raises(ConfigError, match=r"an env= makes its own prompts"):
+        MAGRPOTrainer(agents=agents(), train_dataset=DATA, env=env, args=small_args())
+
+
+def test_team_wide_loading_settings_are_refused_where_they_would_be_ignored(qwen_bpe):
+    """A tokenizer= list of the wrong length failed with an IndexError after a model had loaded; tokenizer= and
+    model_config= beside built Agents (agents=[Agent] or team=) were ignored without a word."""
+    tok = AutoTokenizer.from_pretrained(qwen_bpe)
+    common = dict(train_dataset=DATA, reward_func=length_reward, args=small_args())
+    with pytest.raises(ConfigError, match=r"^tokenizer= holds 1 tokenizers for 2 agents: give one per agent"):
+        MAGRPOTrainer(model=qwen_bpe, num_agents=2, tokenizer=[tok], **common)
+    built = Agent.from_pretrained(qwen_bpe)
+    for extra in (dict(tokenizer=tok), dict(model_config={"attn_implementation": "eager"})):
+        with pytest.raises(
+            ConfigError, match=r"^agent 0 is a built Agent, which holds its tokenizer and model"
+        ):
+            MAGRPOTrainer(agents=[built, qwen_bpe], **extra, **common)
+    trainer = MAGRPOTrainer(agents=[built, qwen_bpe], tokenizer=[None, tok], **common)
+    assert trainer.team[0] is built and trainer.team[1].tokenizer is tok
+
+
 def test_agents_generate_concurrently_when_given_a_pool():
     """Agents on separate devices overlap their generate calls (here: a fake engine that waits for its partner)."""
     import threading

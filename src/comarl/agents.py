@@ -122,7 +122,7 @@ class Agent:
         if device is not None:
             self.model.to(device)
         disable_dropout(self.model)
-        if next(self.model.parameters()).dtype != torch.float32:
+        if any(p.dtype != torch.float32 for p in self.model.parameters()):
             # AdamW keeps its master weights in the parameters themselves; bf16 compute is autocast.
             self.model.float()
         self.eos_token_ids = eos_token_ids(self.model, self.tokenizer)

@@ -505,9 +505,9 @@ def _formatters(formatters: Any, num_agents: int) -> list[Callable[[Item], Any]]
             f"formatters: got {len(formatters)} formatters for {num_agents} agents; give one per agent or one for all"
         )
     for i, f in enumerate(formatters):
-        if not callable(f):
+        if f is not None and not callable(f):
             raise ValueError(f"formatters[{i}] is {f!r}, not a callable taking the dataset item")
-    return formatters
+    return [_default_formatter if f is None else f for f in formatters]  # None: item["prompt"]
 
 
 def _format(formatter: Callable[[Item], Any], agent: int, item: Item) -> Any:

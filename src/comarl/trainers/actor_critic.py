@@ -484,7 +484,9 @@ class ActorCriticTrainer(MAGRPOTrainer):
     ) -> torch.Tensor:
         """``fn(ids, mask)`` over micro-batches (``micro_batch_rows``), on the CPU; ``agent``: the agent whose model
         ``fn`` runs (a sharded one runs as many micro-batches as its other shards, see ``_padded``)."""
-        step = self.args.micro_batch_rows(ids.shape[0], ids.shape[1])
+        # a value head's forward runs its agent's model: the agent's micro-batch settings
+        settings = self.args if agent is None else self.agent_args[agent]
+        step = settings.micro_batch_rows(ids.shape[0], ids.shape[1])
         batches = [slice(s, s + step) for s in range(0, ids.shape[0], step)]
         parts = []
         for sl, real in self._padded(agent, batches, filler=slice(0, 1)):

@@ -35,6 +35,7 @@ from comarl.agents import (
     add_lora,
     checkpointing_on,
     has_adapters,
+    is_adapter_folder,
     set_activation_checkpointing,
     shared_base_lora,
 )
@@ -139,7 +140,18 @@ class MAGRPOTrainer:
             model, agent_model, agents, team, num_agents if num_agents is not None else args.num_agents
         )
         n = len(sources)
+        if isinstance(tokenizer, (list, tuple)) and len(tokenizer) != n:
+            raise ConfigError(
+                f"tokenizer= holds {len(tokenizer)} tokenizers for {n} agents: give one per agent (None where an agent "
+                "brings its own), or one for the team"
+            )
         for i, source in enumerate(sources):
+            if isinstance(source, Agent) and (_agent_tokenizer(tokenizer, i) is not None or model_config):
+                raise ConfigError(
+                    f"agent {i} is a built Agent, which holds its tokenizer and model: tokenizer= and model_config= "
+                    "apply to models loaded from a hub id or path and would be ignored; give them to "
+                    "Agent.from_pretrained(...) (a tokenizer= list may hold None for the built agents)"
+                )
             if not isinstance(source, (str, Path, Agent)) and _agent_tokenizer(tokenizer, i) is None:
                 raise ConfigError(
                     f"agent {i} is a model object ({type(source).__name__}) without a tokenizer: give tokenizer= (one "
@@ -159,8 +171,14 @@ class MAGRPOTrainer:
         args.check_team(n, len(train_dataset))
         # Each agent's view of the config: the shared values with its agent_settings applied.
         self.agent_args = [args.for_agent(i) for i in range(n)]
-        if formatters is None and all(isinstance(s, Agent) and s.formatter is not None for s in sources):
-            formatters = [s.formatter for s in sources]
+        own_formatters = [s.formatter if isinstance(s, Agent) else None for s in sources]
+        if any(f is not None for f in own_formatters):
+            if formatters is not None or env is not None:
+                raise ConfigError(
+                    "Agent(formatter=) and formatters=/env= both say how the agents read an item: give the "
+                    "formatters in one place (an env= makes its own prompts)"
+                )
+            formatters = own_formatters  # an agent without one reads item["prompt"]
         if env is None:
             if reward_func is None:
                 raise ConfigError(f"{type(self).__name__}: give reward_func= (with formatters=) or env=")
@@ -262,13 +280,9 @@ class MAGRPOTrainer:
             self.team = Team(
                 [
                     (
-                        (
-                            src
-                            if team is not None
-                            else _load_agent(src, tokenizer, i, devices[i], model_config)
-                        )
+                        _load_agent(src, tokenizer, i, devices[i], model_config)
                         if i in self.local
-                        else _remote_agent(src, tokenizer, i)
+                        else _remote_agent(src, tokenizer, i, model_config)
                     )
                     for i, src in enumerate(members)
                 ]
@@ -1497,6 +1511,12 @@ def _shared_base_agents(
     """``lora_shared_base``: the model every member names, loaded once, with one LoRA adapter per agent (adapter i
     from seed + 100 + i, as a separate LoRA agent's)."""
     source = _one_model(members, devices, "lora_shared_base")
+    if is_adapter_folder(str(source), dict((model_config or {}).get("model_kwargs", {}))):
+        raise ConfigError(
+            f"lora_shared_base=True: {source} is a saved LoRA agent (adapter_config.json), and every agent gets a new "
+            "adapter on the shared base, so its adapter would be dropped: give the base model (its "
+            "base_model_name_or_path), or continue the saved agent without lora_shared_base"
+        )
     first = _load_agent(source, tokenizer, 0, devices[0], model_config)
     views = shared_base_lora(
         first.model,
@@ -1510,19 +1530,22 @@ def _shared_base_agents(
     return [Agent(view, tok, source=first.source) for view, tok in zip(views, tokenizers)]
 
 
-def _remote_agent(source: Any, tokenizer: Any, i: int) -> RemoteAgent:
-    """Agent ``i`` as seen by a process that does not train it: its tokenizer only (agent parallelism)."""
+def _remote_agent(source: Any, tokenizer: Any, i: int, model_config: dict[str, Any] | None) -> RemoteAgent:
+    """Agent ``i`` as seen by a process that does not train it: its tokenizer only (agent parallelism), loaded as
+    the process that trains it loads it."""
     from transformers import AutoTokenizer
 
-    from comarl.agents import prepare_tokenizer
+    from comarl.agents import HUB_KEYS, prepare_tokenizer
 
     if isinstance(source, Agent):
         return RemoteAgent(source.tokenizer, source.source, source.role, source.learning_rate)
-    tok = _agent_tokenizer(tokenizer, i)
+    tok, hub = _agent_tokenizer(tokenizer, i), {}
     if tok is None:  # a hub id or a path (a model object without a tokenizer was refused at the start)
         tok = str(source)
+        # the model's own tokenizer comes from where the model came from (revision, token, remote code)
+        hub = {k: v for k, v in (model_config or {}).get("model_kwargs", {}).items() if k in HUB_KEYS}
     if isinstance(tok, (str, Path)):
-        tok = AutoTokenizer.from_pretrained(str(tok))
+        tok = AutoTokenizer.from_pretrained(str(tok), **hub)
     return RemoteAgent(
         prepare_tokenizer(copy.deepcopy(tok)), str(source) if isinstance(source, (str, Path)) else None
     )
