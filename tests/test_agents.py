@@ -176,3 +176,9 @@ def test_a_process_that_does_not_train_an_agent_loads_its_tokenizer_as_the_one_t
     }
     _remote_agent(qwen_bpe, None, 1, settings)
     assert calls == [{"revision": "main", "local_files_only": True}]
+
+
+@pytest.mark.parametrize("rate", [0, -1e-5, float("nan"), "1e-5"])
+def test_an_agents_own_learning_rate_is_checked_when_it_is_built(qwen_bpe, rate):
+    with pytest.raises(ValueError, match=r"^Agent: learning_rate=.* must be a finite number > 0 \(or None"):
+        Agent.from_pretrained(qwen_bpe, learning_rate=rate)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from importlib.metadata import version
@@ -108,6 +109,13 @@ class Agent:
     ) -> None:
         if tokenizer is None:
             raise ValueError("Agent: a tokenizer is required when the model is given as an object")
+        if learning_rate is not None and not (
+            isinstance(learning_rate, (int, float)) and math.isfinite(learning_rate) and learning_rate > 0
+        ):
+            # the config's learning_rate is checked before anything loads; this one would fail inside AdamW
+            raise ValueError(
+                f"Agent: learning_rate={learning_rate!r} must be a finite number > 0 (or None: the trainer's)"
+            )
         self.model = model
         self.tokenizer = prepare_tokenizer(tokenizer)
         self.role = role
