@@ -66,6 +66,15 @@ HUB_KEYS = (
 )
 
 
+def model_tokenizer(source: str, model_kwargs: dict[str, Any] | None) -> Any:
+    """The tokenizer of the model at ``source``, fetched from where the model comes from (``model_kwargs``' revision,
+    token, cache and remote-code settings)."""
+    from transformers import AutoTokenizer
+
+    hub = {k: v for k, v in (model_kwargs or {}).items() if k in HUB_KEYS}
+    return AutoTokenizer.from_pretrained(str(source), **hub)
+
+
 def is_adapter_folder(source: str, model_kwargs: dict[str, Any]) -> bool:
     """Whether ``source`` (a hub id or local path) holds a peft adapter (``adapter_config.json``) over a base model."""
     from transformers.utils import find_adapter_config_file
@@ -175,15 +184,12 @@ class Agent:
                     "with those settings yourself (in a trainer: model_config['model_kwargs'])"
                 )
             model, name = source, getattr(getattr(source, "config", None), "_name_or_path", None)
-        hub: dict[str, Any] = {}
         if tokenizer is None:
             if name is None or not isinstance(source, (str, Path)):
                 raise ValueError("Agent.from_pretrained: pass tokenizer= when the model is an object")
-            tokenizer = name
-            # The model's own tokenizer comes from where the model came from (revision, token, cache, remote code).
-            hub = {k: v for k, v in (model_kwargs or {}).items() if k in HUB_KEYS}
-        if isinstance(tokenizer, (str, Path)):
-            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer), **hub)
+            tokenizer = model_tokenizer(name, model_kwargs)
+        elif isinstance(tokenizer, (str, Path)):
+            tokenizer = AutoTokenizer.from_pretrained(str(tokenizer))
         return cls(
             model,
             tokenizer,

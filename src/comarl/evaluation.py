@@ -31,7 +31,7 @@ from comarl.agents import Agent
 from comarl.config import ConfigError
 from comarl.engines import Engine, HFEngine, SamplingParams, generate, stream_seed
 from comarl.envs import Env
-from comarl.rollout import Rollout, collect, independent_episodes
+from comarl.rollout import Rollout, agent_seed, collect, independent_episodes
 from comarl.tracking import json_ready  # the one rule for NaN in JSON output, shared with metrics.jsonl
 
 TASKS = ("code", "writing")
@@ -268,8 +268,8 @@ def play_episodes(
     """``num_samples`` episodes per item, every agent acting on its own prompt (the team and single modes).
 
     ``seeds``, one per item, fix the item's draws (see :func:`comarl.rollout.collect`; None: the agents' own
-    streams). Returns one record per episode, item-major: ``turns`` (per turn, each agent's prompt and completion), ``reward`` (the team's
-    return), ``success`` and ``components`` (of the last step).
+    streams). Returns one record per episode, item-major: ``turns`` (per turn, each agent's prompt and
+    completion), ``reward`` (the team's return), ``success`` and ``components`` (of the last step).
     """
     if num_turns == 1:
         rollout = collect(
@@ -325,7 +325,7 @@ def play_pipeline(
         num_samples,
         params,
         # agent 0's streams are those of the team mode (collect's), so both modes see its same answers
-        None if seeds is None else [stream_seed(seed, 0, 0) for seed in seeds],
+        None if seeds is None else [agent_seed(seed, 0) for seed in seeds],
     )
     second_prompts = [
         pipeline_prompt(item, first.completions[b * num_samples + j])
@@ -416,7 +416,8 @@ def evaluate_task(
     "local", code "humaneval"), the first ``limit`` of them when given (``items``: those, already
     loaded by :func:`task_items`), ``batch_size`` items per batched generate call. Sampling draws from
     streams fixed by ``seed``, the item's index, the episode and the agent (:func:`comarl.rollout.collect`), so
-    the results do not depend on ``batch_size``; the agents' own streams and torch's global one are not used. Returns a JSON-ready dict: the request
+    the results do not depend on ``batch_size``; the agents' own streams and torch's global one are not used.
+    Returns a JSON-ready dict: the request
     (``task``, ``mode``, ``split``, ``source``, ``num_items``, ``num_samples``, ``num_turns``,
     ``temperature`` (None: greedy), ``agents``), ``metrics`` (see :func:`summarize`) and
     ``samples``: one record per episode with ``item``, ``id``, ``sample``, ``turns`` (each turn's

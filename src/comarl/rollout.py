@@ -133,6 +133,12 @@ def independent_episodes(
     return repeated, None if seeds is None else [stream_seed(seed, e) for seed in seeds for e in range(count)]
 
 
+def agent_seed(node_seed: int, agent: int) -> int:
+    """The stream ``agent`` draws a node's completions from: keys (node seed, 0, agent), apart from its children's
+    node seeds (node seed, 1, joint action)."""
+    return stream_seed(node_seed, 0, agent)
+
+
 def keep_in_step(
     shards: Processes | None,
     pending: bool,
@@ -228,8 +234,7 @@ def collect(
             params,
             pool,
             parallel,
-            # keys (node seed, 0, agent) for the agents' streams, (node seed, 1, joint action) for children: apart
-            None if seeds is None else [[stream_seed(n.seed, 0, i) for n in level] for i in range(N)],
+            None if seeds is None else [[agent_seed(n.seed, i) for n in level] for i in range(N)],
         )
         generate_seconds += time.perf_counter() - started
         level_generations.append(gens)

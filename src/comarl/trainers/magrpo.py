@@ -852,9 +852,8 @@ class MAGRPOTrainer:
         )
         mine, per_call = list(range(count))[shard::D], max(args.prompts_per_step // D, 1)
         parts: list[dict[str, torch.Tensor]] = []  # rollout_values of each batch
-        episodes: list[
-            tuple[int, Any, list[list[str]]]
-        ] = []  # (index, item, answers[turn][agent]): CoMLRL hooks
+        # (index, item, answers[turn][agent]) of every episode, for the CoMLRL hooks
+        episodes: list[tuple[int, Any, list[list[str]]]] = []
         for start in range(0, len(mine), per_call):
             indices = mine[start : start + per_call]
             items = [dataset[j] for j in indices]
@@ -1535,17 +1534,15 @@ def _remote_agent(source: Any, tokenizer: Any, i: int, model_config: dict[str, A
     the process that trains it loads it."""
     from transformers import AutoTokenizer
 
-    from comarl.agents import HUB_KEYS, prepare_tokenizer
+    from comarl.agents import model_tokenizer, prepare_tokenizer
 
     if isinstance(source, Agent):
         return RemoteAgent(source.tokenizer, source.source, source.role, source.learning_rate)
-    tok, hub = _agent_tokenizer(tokenizer, i), {}
+    tok = _agent_tokenizer(tokenizer, i)
     if tok is None:  # a hub id or a path (a model object without a tokenizer was refused at the start)
-        tok = str(source)
-        # the model's own tokenizer comes from where the model came from (revision, token, remote code)
-        hub = {k: v for k, v in (model_config or {}).get("model_kwargs", {}).items() if k in HUB_KEYS}
-    if isinstance(tok, (str, Path)):
-        tok = AutoTokenizer.from_pretrained(str(tok), **hub)
+        tok = model_tokenizer(str(source), (model_config or {}).get("model_kwargs"))
+    elif isinstance(tok, (str, Path)):
+        tok = AutoTokenizer.from_pretrained(str(tok))
     return RemoteAgent(
         prepare_tokenizer(copy.deepcopy(tok)), str(source) if isinstance(source, (str, Path)) else None
     )
