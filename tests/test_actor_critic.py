@@ -645,7 +645,7 @@ def test_cli_trains_mappo_from_yaml_and_saves_the_critic(tmp_path, capsys):
 
     spec = tmp_path / "run.yaml"
     spec.write_text(
-        "trainer: mappo\ntask: demo\nargs:\n  max_steps: 1\n  progress_bar: false\n  prompts_per_step: 2\n"
+        "trainer: mappo\ntask: demo\nargs:\n  max_steps: 1\n  max_new_tokens: 3\n  progress_bar: false\n  prompts_per_step: 2\n"
         "  num_generations: 2\n  reward_call: batched\n  success_threshold: 1.0\n  num_iterations: 2\n"
     )
     out = tmp_path / "out"

@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from comarl.algorithms import aggregate_loss, group_advantages, token_entropy, whiten
+from comarl.algorithms import aggregate_loss, group_advantages, token_entropy, token_logprobs, whiten
 from comarl.engines import Generation, SamplingParams, next_tokens, sampling_scores, seeded_draws, stream_seed
 from comarl.rollout import Rollout, tree_returns, with_rewards
 
@@ -73,6 +73,21 @@ def test_token_entropy_divides_the_logits_by_the_temperature():
     logits = torch.tensor([[[0.0, math.log(4.0)]]])
     assert_close(token_entropy(logits, temperature=2.0), torch.tensor([[0.6365142]]))
     assert_close(token_entropy(logits), torch.tensor([[0.5004024]]))
+
+
+@pytest.mark.parametrize("temperature", [1.0, 2.0])
+def test_token_logprobs_gradient_is_one_hot_minus_softmax(temperature):
+    """d log softmax(x / T)[y] / dx = (onehot(y) - softmax(x / T)) / T (mutation: ``logsumexp`` detached,
+    which keeps the values and drops the -softmax part of the gradient, so only a learning run noticed).
+
+    x = [0, ln 2, ln 3] * T, y = 1: softmax(x / T) = [1/6, 2/6, 3/6], so the gradient is
+    [-1/6, 4/6, -3/6] / T.
+    """
+    logits = (torch.tensor([[[0.0, math.log(2.0), math.log(3.0)]]]) * temperature).requires_grad_(True)
+    value = token_logprobs(logits, torch.tensor([[1]]), temperature=temperature)
+    assert_close(value, torch.tensor([[math.log(2.0 / 6.0)]]))
+    value.sum().backward()
+    assert_close(logits.grad, torch.tensor([[[-1 / 6, 4 / 6, -3 / 6]]]) / temperature)
 
 
 def test_whiten_two_different_values():

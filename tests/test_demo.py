@@ -57,7 +57,7 @@ def test_demo_team_learns_to_coordinate(tmp_path):
 def test_cli_train_from_yaml_with_overrides(tmp_path, capsys):
     spec = tmp_path / "run.yaml"
     spec.write_text(
-        "trainer: magrpo\ntask: demo\nargs:\n  max_steps: 2\n  progress_bar: false\n  prompts_per_step: 2\n"
+        "trainer: magrpo\ntask: demo\nargs:\n  max_steps: 2\n  max_new_tokens: 3\n  progress_bar: false\n  prompts_per_step: 2\n"
         "  num_generations: 2\n  reward_call: batched\n  success_threshold: 1.0\n"
     )
     out = tmp_path / "out"
@@ -74,7 +74,7 @@ def test_cli_train_from_yaml_with_overrides(tmp_path, capsys):
 def test_cli_train_resumes_from_the_newest_checkpoint(tmp_path, capsys, monkeypatch):
     spec = tmp_path / "run.yaml"
     spec.write_text(
-        "trainer: magrpo\ntask: demo\nargs:\n  max_steps: 2\n  progress_bar: false\n  prompts_per_step: 2\n"
+        "trainer: magrpo\ntask: demo\nargs:\n  max_steps: 2\n  max_new_tokens: 3\n  progress_bar: false\n  prompts_per_step: 2\n"
         "  num_generations: 2\n  reward_call: batched\n  save_steps: 1\n  save_total_limit: 1\n"
     )
     out = tmp_path / "out"

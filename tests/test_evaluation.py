@@ -570,6 +570,7 @@ def test_write_json_never_leaves_half_a_file(tmp_path, monkeypatch):
 def _demo_spec(tmp_path, **args):
     settings = dict(
         max_steps=2,
+        max_new_tokens=3,
         progress_bar="false",
         prompts_per_step=2,
         num_generations=2,

@@ -655,7 +655,7 @@ def test_cli_trains_preference_methods_from_yaml(tmp_path, capsys, trainer):
     assert all(config_help(config_class(trainer)).values())  # a help line per field
     spec = tmp_path / "run.yaml"
     spec.write_text(
-        f"trainer: {trainer}\ntask: demo\nargs:\n  max_steps: 1\n  progress_bar: false\n  prompts_per_step: 2\n"
+        f"trainer: {trainer}\ntask: demo\nargs:\n  max_steps: 1\n  max_new_tokens: 3\n  progress_bar: false\n  prompts_per_step: 2\n"
         "  num_generations: 4\n  reward_call: batched\n  success_threshold: 1.0\n"
         + (
             "  preference_num_candidates: 2\n  preference_pairs_per_sample: 1\n"
