@@ -7,6 +7,7 @@ import os
 import socket
 import subprocess
 import sys
+import zlib
 from pathlib import Path
 
 import pytest
@@ -93,22 +94,6 @@ def assert_saved_agents_compute(out: Path, single) -> None:
             assert torch.allclose(loaded(**ids).logits, agent.model(**ids).logits, atol=1e-5), i
 
 
-def _launch(
-    trainer: str,
-    agents: list[str],
-    out: Path,
-    overrides: dict,
-    launch: str = "agent",
-    resume: bool = False,
-    fit_first: bool = False,
-    processes: int = 2,
-) -> list[dict]:
-    """Run tests/agent_parallel_worker.py in ``processes`` processes (torchrun, gloo); each writes rank_<r>.json."""
-    launched = _torchrun(trainer, agents, out, overrides, launch, resume, fit_first, processes)
-    assert launched.returncode == 0, failure(launched.stderr)
-    return [json.loads((out / f"rank_{r}.json").read_text()) for r in range(processes)]
-
-
 def failure(stderr: str) -> str:
     """What a failed launch printed: each process's own last lines (its traceback), the first abort with the
     Python stacks faulthandler printed, then torchrun's summary."""
@@ -121,28 +106,9 @@ def failure(stderr: str) -> str:
     return "\n".join(ranks)[-4000:] + "\n" + "\n".join(stacks) + "\n" + stderr[-1500:]
 
 
-def _torchrun(
-    trainer: str,
-    agents: list[str],
-    out: Path,
-    overrides: dict,
-    launch: str,
-    resume: bool,
-    fit_first: bool,
-    processes: int,
-) -> subprocess.CompletedProcess:
-    out.mkdir(exist_ok=resume)
-    spec = json.dumps(
-        {
-            "trainer": trainer,
-            "agents": agents,
-            "output_dir": str(out),
-            "overrides": overrides,
-            "launch": launch,
-            "resume": resume,
-            "fit_first": fit_first,
-        }
-    )
+def _torchrun(runs: list[dict], processes: int) -> subprocess.CompletedProcess:
+    """Run tests/agent_parallel_worker.py in ``processes`` processes (torchrun, gloo): it trains ``runs`` one
+    after the other, and each process writes <output_dir>/rank_<r>.json of each."""
     return subprocess.run(
         [
             sys.executable,
@@ -151,7 +117,7 @@ def _torchrun(
             "--standalone",
             f"--nproc-per-node={processes}",
             str(Path(__file__).parent / "agent_parallel_worker.py"),
-            spec,
+            json.dumps(runs),
         ],
         # faulthandler: a process that aborts (e.g. at exit) prints every thread's Python stack into the failure
         env=dict(os.environ, OMP_NUM_THREADS="1", PYTHONFAULTHANDLER="1"),
@@ -161,41 +127,187 @@ def _torchrun(
     )
 
 
+def run_spec(trainer: str, overrides: dict, launch: str = "agent", **extra) -> dict:
+    """One run of the worker: ``launch`` is 'agent' (agent_parallel), 'data' (data_parallel) or 'grid' (both);
+    ``resume`` resumes from the newest checkpoint; ``fit_first`` fits MARLHF's reward model by hand first. Its
+    ``name`` (its output folder) comes from the trainer and settings, so a test finds its run again."""
+    settings = json.dumps([trainer, overrides, launch, extra], sort_keys=True)
+    name = f"{trainer}-{zlib.crc32(settings.encode()):08x}"
+    return {"name": name, "trainer": trainer, "overrides": overrides, "launch": launch, **extra}
+
+
+# The cases of each test below, and the launches that run them. Starting the processes (torchrun, then torch,
+# transformers and two models in each) takes ~10 s, a 2-step run of these tiny agents ~1 s: so the runs of all
+# the tests of one kind share a launch, run when the first of those tests asks (`launched`), once. The tests of a
+# kind carry xdist_group(kind): with pytest-xdist, one worker runs them all (addopts: --dist loadgroup).
+
+TWO_PROCESS_CASES = [  # (trainer, overrides, files saved besides the weights)
+    # sampled evaluation: each process draws its agent's streams from the seeds the episode's processes share
+    ("MAREINFORCE", {"eval_do_sample": True, "num_generations_eval": 2}, []),
+    (  # each process samples and scores its agent by the agent's own settings
+        "IPPO",
+        {
+            "num_iterations": 2,
+            "agent_settings": [{"max_new_tokens": 3, "temperature": 0.7}, {"min_new_tokens": 5}],
+        },
+        ["agent_0/value_head.pt", "agent_1/value_head.pt"],
+    ),
+    # the centralized critic (with agent 0) learns returns less each agent's KL, scored in its own process
+    ("MAPPO", {"num_iterations": 2, "beta": 0.1, "kl_penalty": "reward"}, ["critic/value_head.pt"]),
+    (
+        "MAREINFORCE",
+        {"lora_r": 4, "beta": 0.05},
+        ["agent_0/adapter_config.json", "agent_1/adapter_config.json"],
+    ),
+]
+DATA_SHARD_CASES = [
+    ("MAREINFORCE", {}),
+    # KL, PPO iterations (batch-wide advantage statistics: test_data_shards_scale_advantages_by_the_whole_batch)
+    ("MAREINFORCE", {"beta": 0.05, "num_iterations": 2, "loss_aggregation": "grpo"}),
+    # each process keeps half of every weight (FSDP2): the KL reference copy too, here scoring the KL penalty
+    # of the rewards (batch-wide metrics of every shard's penalties)
+    ("MAREINFORCE", {"beta": 0.05, "kl_penalty": "reward", "shard_weights": True}),
+    # sharded base and adapters, gradients summed over micro-batches
+    ("MAREINFORCE", {"lora_r": 4, "micro_batch_size": 1, "shard_weights": True}),
+    # a second turn for one shard's item only: the other shard still takes part in turn 2's generate calls
+    ("MAREINFORCE", {"num_turns": 2, "discount": 0.5, "shard_weights": True}),
+    # whitening, value heads (whole copies) on sharded agents, mini-batches drawn from the whole batch; one-row
+    # micro-batches, so a shard holding fewer rows of a mini-batch runs weightless ones (the layers' gathers)
+    ("IPPO", {"num_iterations": 2, "num_mini_batches": 2, "micro_batch_size": 1, "shard_weights": True}),
+    ("MAPPO", {"num_iterations": 2, "num_mini_batches": 2}),  # a separate centralized critic
+    # each process keeps half of every AdamW state: the agents' and the critic's
+    ("MAPPO", {"num_iterations": 2, "num_mini_batches": 2, "shard_optimizer": True}),
+]
+GRID_CASES = [
+    # each agent split between its two processes (FSDP2 over the agent's group)
+    ("MAREINFORCE", {"beta": 0.05, "num_iterations": 2, "shard_weights": True}),
+    ("MAPPO", {"num_iterations": 2, "num_mini_batches": 2}),  # the centralized critic on agent 0's processes
+]
+RESUME_CASES = [
+    ("MAREINFORCE", None),
+    ("MAPPO", None),
+    ("MAREINFORCE", "shard_optimizer"),
+    ("MAREINFORCE", "shard_weights"),
+]
+MADPO_CANDIDATES = ["current", "initial"]
+MARLHF_LAUNCHES = ["data", "agent", "grid"]
+MADPO_DATA = {"prompts_per_step": 4, "num_generations": 4, "top_k": None, "beta": 0.0}
+MADPO_DATA_SAMPLING = {
+    "prompts_per_step": 4,
+    "num_generations": 4,
+    "top_k": None,
+    "candidates_from": "current",
+    "shard_weights": True,
+}
+MARLHF_SETTINGS = {
+    "prompts_per_step": 4,
+    "top_k": None,
+    "preference_num_candidates": 4,
+    "reward_learning_rate": 1e-3,
+    "reward_train_batch_size": 8,
+    "reward_num_train_epochs": 1,
+}
+RESUME_SCHEDULE = {"beta": 0.05, "warmup_steps": 3}  # the learning rate changes at every step
+
+
+def two_process_run(trainer: str, overrides: dict) -> dict:
+    return run_spec(
+        trainer, {"top_k": None, **overrides, "save_steps": 2}
+    )  # and a checkpoint at the last step
+
+
+def madpo_run(candidates_from: str) -> dict:
+    overrides = {"top_k": None, "num_generations": 4, "candidates_from": candidates_from, "save_steps": 2}
+    return run_spec("MADPO", overrides)
+
+
+def data_shard_run(trainer: str, overrides: dict, launch: str = "data") -> dict:
+    return run_spec(trainer, {"prompts_per_step": 4, **overrides, "save_steps": 2}, launch)
+
+
+def marlhf_run(launch: str) -> dict:
+    return run_spec("MARLHF", MARLHF_SETTINGS, launch, fit_first=True)
+
+
+def resume_runs(trainer: str, sharded: str | None) -> tuple[dict, dict]:
+    """Two processes stopping after a checkpoint at step 2, and the same relaunched with --resume to step 4."""
+    first = {"prompts_per_step": 2, **RESUME_SCHEDULE, "max_steps": 2, "save_steps": 2}
+    if sharded:
+        first[sharded] = True
+    stop = run_spec(trainer, first, "data")
+    return stop, {**run_spec(trainer, {**first, "max_steps": 4}, "data", resume=True), "name": stop["name"]}
+
+
+LAUNCHES: dict[str, tuple[int, list[list[dict]]]] = {  # kind: (processes, its launches, each a list of runs)
+    "agent": (
+        2,
+        [
+            [
+                *(two_process_run(trainer, overrides) for trainer, overrides, _ in TWO_PROCESS_CASES),
+                *(madpo_run(c) for c in MADPO_CANDIDATES),
+                marlhf_run("agent"),
+            ]
+        ],
+    ),
+    "data": (
+        2,
+        [
+            [
+                *(data_shard_run(trainer, overrides) for trainer, overrides in DATA_SHARD_CASES),
+                run_spec("MADPO", {**MADPO_DATA, "save_steps": 2}, "data"),
+                run_spec("MADPO", MADPO_DATA_SAMPLING, "data"),
+                marlhf_run("data"),
+            ]
+        ],
+    ),
+    "grid": (4, [[*(data_shard_run(t, o, "grid") for t, o in GRID_CASES), marlhf_run("grid")]]),
+    "resume": (2, [list(runs) for runs in zip(*(resume_runs(t, s) for t, s in RESUME_CASES))]),
+}
+
+
+@pytest.fixture(scope="module")
+def launched(tmp_path_factory, qwen_bpe, llama_word):
+    """``launched(kind, run)``: every process's results of ``run`` (one of LAUNCHES[kind]) and its output folder.
+    A kind's launches run the first time one of its runs is asked for; a failed launch fails all its tests."""
+    done: dict[str, tuple[Path, str]] = {}
+
+    def results(kind: str, run: dict) -> tuple[list[dict], Path]:
+        processes, launches = LAUNCHES[kind]
+        if kind not in done:
+            root, error = tmp_path_factory.mktemp(kind), ""
+            for runs in launches:
+                for r in runs:
+                    (root / r["name"]).mkdir(exist_ok=True)
+                specs = [
+                    {**r, "agents": [qwen_bpe, llama_word], "output_dir": str(root / r["name"])} for r in runs
+                ]
+                finished = _torchrun(specs, processes)
+                if finished.returncode != 0:
+                    error = failure(finished.stderr)
+                    break
+            done[kind] = root, error
+        root, error = done[kind]
+        if error:
+            pytest.fail(f"the {kind!r} launch failed:\n{error}", pytrace=False)
+        out = root / run["name"]
+        return [json.loads((out / f"rank_{r}.json").read_text()) for r in range(processes)], out
+
+    return results
+
+
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("trainer", "overrides", "saved"),
-    [
-        # sampled evaluation: each process draws its agent's streams from the seeds the episode's processes share
-        ("MAREINFORCE", {"eval_do_sample": True, "num_generations_eval": 2}, []),
-        (  # each process samples and scores its agent by the agent's own settings
-            "IPPO",
-            {
-                "num_iterations": 2,
-                "agent_settings": [{"max_new_tokens": 3, "temperature": 0.7}, {"min_new_tokens": 5}],
-            },
-            ["agent_0/value_head.pt", "agent_1/value_head.pt"],
-        ),
-        # the centralized critic (with agent 0) learns returns less each agent's KL, scored in its own process
-        ("MAPPO", {"num_iterations": 2, "beta": 0.1, "kl_penalty": "reward"}, ["critic/value_head.pt"]),
-        (
-            "MAREINFORCE",
-            {"lora_r": 4, "beta": 0.05},
-            ["agent_0/adapter_config.json", "agent_1/adapter_config.json"],
-        ),
-    ],
-)
+@pytest.mark.xdist_group("agent")
+@pytest.mark.parametrize(("trainer", "overrides", "saved"), TWO_PROCESS_CASES)
 def test_two_processes_train_what_one_process_trains(
-    qwen_bpe, llama_word, tmp_path, trainer, overrides, saved, one_thread
+    qwen_bpe, llama_word, launched, trainer, overrides, saved, one_thread
 ):
     """Same rewards, per-agent (and critic) metrics, evaluation and saved weights as one process, with real
     sampling: every agent draws from its own generator, in one process or in its own."""
     agents = [qwen_bpe, llama_word]
-    overrides = {"top_k": None, **overrides}
-    single, expected = one_process_run(trainer, agents, **overrides)
+    single, expected = one_process_run(trainer, agents, top_k=None, **overrides)
     expected_eval = single.evaluate()
 
-    out = tmp_path / "run"
-    ranks = _launch(trainer, agents, out, {**overrides, "save_steps": 2})  # and a checkpoint at the last step
+    ranks, out = launched("agent", two_process_run(trainer, overrides))
     assert [r["local"] for r in ranks] == [[0], [1]]
     assert [r["torch_seed"] for r in ranks] == [5, 6]  # agents never share sampling random numbers
     # but the processes of one episode step their copies of the environment alike: equal Python/joint streams
@@ -259,17 +371,13 @@ def test_several_processes_without_a_mode_are_refused(qwen_bpe, monkeypatch, ope
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("candidates_from", ["current", "initial"])
-def test_madpo_in_two_processes_exchanges_margins(qwen_bpe, llama_word, tmp_path, candidates_from):
+@pytest.mark.xdist_group("agent")
+@pytest.mark.parametrize("candidates_from", MADPO_CANDIDATES)
+def test_madpo_in_two_processes_exchanges_margins(launched, candidates_from):
     """MADPO's joint loss needs every agent's margin: each process computes its own agent's and they are
     exchanged once per iteration. Sampled candidates differ between launches, so the processes are compared
     with each other: the same team loss, and the team margin is the sum of the agents' margins."""
-    ranks = _launch(
-        "MADPO",
-        [qwen_bpe, llama_word],
-        tmp_path / "run",
-        {"top_k": None, "num_generations": 4, "candidates_from": candidates_from, "save_steps": 2},
-    )
+    ranks, _ = launched("agent", madpo_run(candidates_from))
     first, second = (r["metrics"] for r in ranks)
     assert first["pairs"] == second["pairs"] > 0
     for key in ("loss", "margin", "accuracy", "agent_0/margin", "agent_1/margin", "agent_1/grad_norm"):
@@ -284,37 +392,17 @@ def test_madpo_in_two_processes_exchanges_margins(qwen_bpe, llama_word, tmp_path
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("trainer", "overrides"),
-    [
-        ("MAREINFORCE", {}),
-        # KL, PPO iterations (batch-wide advantage statistics: test_data_shards_scale_advantages_by_the_whole_batch)
-        ("MAREINFORCE", {"beta": 0.05, "num_iterations": 2, "loss_aggregation": "grpo"}),
-        # each process keeps half of every weight (FSDP2): the KL reference copy too, here scoring the KL penalty
-        # of the rewards (batch-wide metrics of every shard's penalties)
-        ("MAREINFORCE", {"beta": 0.05, "kl_penalty": "reward", "shard_weights": True}),
-        # sharded base and adapters, gradients summed over micro-batches
-        ("MAREINFORCE", {"lora_r": 4, "micro_batch_size": 1, "shard_weights": True}),
-        # a second turn for one shard's item only: the other shard still takes part in turn 2's generate calls
-        ("MAREINFORCE", {"num_turns": 2, "discount": 0.5, "shard_weights": True}),
-        # whitening, value heads (whole copies) on sharded agents, mini-batches drawn from the whole batch; one-row
-        # micro-batches, so a shard holding fewer rows of a mini-batch runs weightless ones (the layers' gathers)
-        ("IPPO", {"num_iterations": 2, "num_mini_batches": 2, "micro_batch_size": 1, "shard_weights": True}),
-        ("MAPPO", {"num_iterations": 2, "num_mini_batches": 2}),  # a separate centralized critic
-        # each process keeps half of every AdamW state: the agents' and the critic's
-        ("MAPPO", {"num_iterations": 2, "num_mini_batches": 2, "shard_optimizer": True}),
-    ],
-)
+@pytest.mark.xdist_group("data")
+@pytest.mark.parametrize(("trainer", "overrides"), DATA_SHARD_CASES)
 def test_two_data_shards_train_what_one_process_trains(
-    qwen_bpe, llama_word, tmp_path, trainer, overrides, one_thread
+    qwen_bpe, llama_word, launched, trainer, overrides, one_thread
 ):
     """data_parallel: each process takes half of every step's prompts; the summed gradients, the metrics of the
     whole batch and the saved agents equal one process's run on all the prompts."""
     agents = [qwen_bpe, llama_word]
     one_process = {k: v for k, v in overrides.items() if k not in ("shard_optimizer", "shard_weights")}
     single, expected = one_process_run(trainer, agents, prompts_per_step=4, max_steps=2, **one_process)
-    out = tmp_path / "run"
-    ranks = _launch(trainer, agents, out, {"prompts_per_step": 4, **overrides, "save_steps": 2}, "data")
+    ranks, out = launched("data", data_shard_run(trainer, overrides))
     for i in ("0", "1"):  # shard_weights: the processes hold disjoint parts of each agent, adding up to it
         held, whole = [r["held"][i] for r in ranks], ranks[0]["parameters"][i]
         assert sum(held) == whole if overrides.get("shard_weights") else held == [whole, whole]
@@ -348,21 +436,20 @@ def test_two_data_shards_train_what_one_process_trains(
 
 
 @pytest.mark.slow
-def test_madpo_data_shards_train_what_one_process_trains(qwen_bpe, llama_word, tmp_path, one_thread):
+@pytest.mark.xdist_group("data")
+def test_madpo_data_shards_train_what_one_process_trains(qwen_bpe, llama_word, launched, one_thread):
     """MADPO under data_parallel: each process samples the initial team's candidates for half of the dataset and
     then holds them all; a step's pairs come from each process's items, the DPO loss is the mean over every
     process's pairs. Given the same candidates, one process trains the same team."""
     agents = [qwen_bpe, llama_word]
-    settings = {"prompts_per_step": 4, "num_generations": 4, "top_k": None, "beta": 0.0}
-    out = tmp_path / "run"
-    ranks = _launch("MADPO", agents, out, {**settings, "save_steps": 2}, "data")
+    ranks, out = launched("data", run_spec("MADPO", {**MADPO_DATA, "save_steps": 2}, "data"))
     assert ranks[0]["candidates"] == ranks[1]["candidates"]  # every process holds every item's candidates
     assert len(ranks[0]["candidates"]) == len(DATA)
     single = comarl.MADPOTrainer(
         agents=agents,
         train_dataset=DATA,
         reward_func=two_word_reward,
-        args=comarl.MADPOConfig(**run_args(**settings)),
+        args=comarl.MADPOConfig(**run_args(**MADPO_DATA)),
     )
     single.candidates = torch.load(out / "candidates.pt", weights_only=False)
     expected = single.train()
@@ -372,18 +459,12 @@ def test_madpo_data_shards_train_what_one_process_trains(qwen_bpe, llama_word, t
 
 
 @pytest.mark.slow
-def test_madpo_data_shards_sampling_every_step_stay_in_step(qwen_bpe, llama_word, tmp_path):
+@pytest.mark.xdist_group("data")
+def test_madpo_data_shards_sampling_every_step_stay_in_step(launched):
     """candidates_from='current': each process samples its own items every step; both report the whole batch's
     metrics and keep the same weights. Here each process holds half of every agent and of its DPO reference
     (shard_weights)."""
-    settings = {
-        "prompts_per_step": 4,
-        "num_generations": 4,
-        "top_k": None,
-        "candidates_from": "current",
-        "shard_weights": True,
-    }
-    ranks = _launch("MADPO", [qwen_bpe, llama_word], tmp_path / "run", settings, "data")
+    ranks, _ = launched("data", run_spec("MADPO", MADPO_DATA_SAMPLING, "data"))
     first, second = ranks
     assert first["metrics"]["pairs"] > 0
     for key in ("pairs", "candidates/reward", "loss", "margin", "agent_0/margin", "agent_1/grad_norm"):
@@ -395,26 +476,17 @@ def test_madpo_data_shards_sampling_every_step_stay_in_step(qwen_bpe, llama_word
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("launch", ["data", "agent", "grid"])
+@pytest.mark.parametrize(
+    "launch", [pytest.param(launch, marks=pytest.mark.xdist_group(launch)) for launch in MARLHF_LAUNCHES]
+)
 def test_marlhf_processes_fit_the_reward_model_one_process_fits(
-    qwen_bpe, llama_word, tmp_path, launch, one_thread
+    qwen_bpe, llama_word, launched, launch, one_thread
 ):
-    """MARLHF in two processes (data shards, or one per agent): every process ends stage 1 with every preference
-    pair; each scores its share of every batch and the gradients are summed, so every copy of the reward model is
-    the one a single process fits on those pairs; then both train the team on equal scores."""
+    """MARLHF in two processes (data shards, or one per agent) or four (both): every process ends stage 1 with
+    every preference pair; each scores its share of every batch and the gradients are summed, so every copy of the
+    reward model is the one a single process fits on those pairs; then all train the team on equal scores."""
     agents = [qwen_bpe, llama_word]
-    settings = {
-        "prompts_per_step": 4,
-        "top_k": None,
-        "preference_num_candidates": 4,
-        "reward_learning_rate": 1e-3,
-        "reward_train_batch_size": 8,
-        "reward_num_train_epochs": 1,
-    }
-    out = tmp_path / "run"
-    ranks = _launch(
-        "MARLHF", agents, out, settings, launch, fit_first=True, processes=4 if launch == "grid" else 2
-    )
+    ranks, out = launched(launch, marlhf_run(launch))
     first = ranks[0]
     texts = first["fitted"]["texts"]
     assert len(texts[0]) >= 4
@@ -423,7 +495,7 @@ def test_marlhf_processes_fit_the_reward_model_one_process_fits(
         agents=agents,
         train_dataset=DATA,
         reward_func=two_word_reward,
-        args=comarl.MARLHFConfig(**run_args(**settings)),
+        args=comarl.MARLHFConfig(**run_args(**MARLHF_SETTINGS)),
     )
     expected = single.fit_reward_model(pairs=texts)
     scores = reward_scores(single.reward_model, texts[0] + texts[1]).tolist()
@@ -446,19 +518,10 @@ def test_marlhf_processes_fit_the_reward_model_one_process_fits(
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("trainer", "overrides"),
-    [
-        # each agent split between its two processes (FSDP2 over the agent's group)
-        ("MAREINFORCE", {"beta": 0.05, "num_iterations": 2, "shard_weights": True}),
-        (
-            "MAPPO",
-            {"num_iterations": 2, "num_mini_batches": 2},
-        ),  # the centralized critic on agent 0's processes
-    ],
-)
+@pytest.mark.xdist_group("grid")
+@pytest.mark.parametrize(("trainer", "overrides"), GRID_CASES)
 def test_agents_by_data_shards_grid_trains_what_one_process_trains(
-    qwen_bpe, llama_word, tmp_path, trainer, overrides, one_thread
+    qwen_bpe, llama_word, launched, trainer, overrides, one_thread
 ):
     """agent_parallel and data_parallel together: 2 agents x 2 shards = 4 processes. Each shard's two processes
     play their episodes together, each agent's two processes sum their gradients; metrics, checkpoint and saved
@@ -466,10 +529,7 @@ def test_agents_by_data_shards_grid_trains_what_one_process_trains(
     agents = [qwen_bpe, llama_word]
     one_process = {k: v for k, v in overrides.items() if k != "shard_weights"}
     single, expected = one_process_run(trainer, agents, prompts_per_step=4, max_steps=2, **one_process)
-    out = tmp_path / "run"
-    ranks = _launch(
-        trainer, agents, out, {"prompts_per_step": 4, **overrides, "save_steps": 2}, "grid", processes=4
-    )
+    ranks, out = launched("grid", data_shard_run(trainer, overrides, "grid"))
     assert [r["local"] for r in ranks] == [[0], [1], [0], [1]]  # rank = shard * agents + agent
     if overrides.get("shard_weights"):  # agent i's processes (ranks i and i + 2) hold its two halves
         for i in (0, 1):
@@ -500,7 +560,12 @@ def test_agents_by_data_shards_grid_trains_what_one_process_trains(
 
 
 def test_grid_needs_a_multiple_of_the_agents(qwen_bpe, llama_word, tmp_path):
-    launched = _torchrun("MAREINFORCE", [qwen_bpe, llama_word], tmp_path / "run", {}, "grid", False, False, 3)
+    spec = {
+        **run_spec("MAREINFORCE", {}, "grid"),
+        "agents": [qwen_bpe, llama_word],
+        "output_dir": str(tmp_path),
+    }
+    launched = _torchrun([spec], 3)
     assert launched.returncode != 0
     assert (
         "agent_parallel=True and data_parallel=True: the world has 3 processes, not a multiple of the 2 agents"
@@ -509,39 +574,28 @@ def test_grid_needs_a_multiple_of_the_agents(qwen_bpe, llama_word, tmp_path):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize(
-    ("trainer", "sharded"),
-    [
-        ("MAREINFORCE", None),
-        ("MAPPO", None),
-        ("MAREINFORCE", "shard_optimizer"),
-        ("MAREINFORCE", "shard_weights"),
-    ],
-)
-def test_data_parallel_run_resumes_exactly(qwen_bpe, llama_word, tmp_path, one_thread, trainer, sharded):
+@pytest.mark.xdist_group("resume")
+@pytest.mark.parametrize(("trainer", "sharded"), RESUME_CASES)
+def test_data_parallel_run_resumes_exactly(qwen_bpe, llama_word, launched, one_thread, trainer, sharded):
     """Two processes stop after a checkpoint at step 2; relaunched with --resume they end where one process's
     unbroken 4-step run ends. Each process saves and restores its share: of AdamW's state and the warmup's
     learning rate (shard_optimizer), or of the weights, the KL reference and AdamW's state (shard_weights).
     Whole copies (and MAPPO's critic) are written once, in the first shard's part, and the second shard resumes
     from it."""
     agents = [qwen_bpe, llama_word]
-    schedule = {"beta": 0.05, "warmup_steps": 3}  # the learning rate changes at every step
     single = getattr(comarl, f"{trainer}Trainer")(
         agents=agents,
         train_dataset=DATA,
         reward_func=two_word_reward,
-        args=getattr(comarl, f"{trainer}Config")(**run_args(prompts_per_step=2, max_steps=4, **schedule)),
+        args=getattr(comarl, f"{trainer}Config")(
+            **run_args(prompts_per_step=2, max_steps=4, **RESUME_SCHEDULE)
+        ),
     )
     expected = single.train()
-    out = tmp_path / "run"
-    first = {"prompts_per_step": 2, **schedule, "max_steps": 2, "save_steps": 2}
-    if sharded:
-        first[sharded] = True
-    _launch(trainer, agents, out, first, "data")
+    ranks, out = launched("resume", resume_runs(trainer, sharded)[1])
     parts = [(out / "checkpoints" / "step_2" / f"process_{r}.pt").stat().st_size for r in (0, 1)]
     if sharded is None:  # the second part holds only its random streams and schedules
         assert parts[1] < parts[0] / 20, parts
-    ranks = _launch(trainer, agents, out, {**first, "max_steps": 4}, "data", resume=True)
     for key in ("reward", "agent_0/loss", "agent_1/kl", "agent_1/grad_norm", "agent_1/lr"):
         assert ranks[1]["metrics"][key] == pytest.approx(expected[key], rel=1e-4, abs=1e-6), key
     steps = [json.loads(line)["step"] for line in (out / "metrics.jsonl").read_text().splitlines()]
