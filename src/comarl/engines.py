@@ -385,13 +385,13 @@ def seeded_draws(
     seeds: Sequence[int], num_generations: int, max_new_tokens: int, device: torch.device | str
 ) -> torch.Tensor:
     """Uniform draws ``[len(seeds) * G, T]`` for :func:`next_tokens`: the G rows of prompt b (row ``b * G + j``,
-    step t in column t) come from a stream seeded with ``seeds[b]`` alone. Sample j of a prompt therefore gets
-    the same draws whatever else shares the call, and on the CPU whatever G is (row j is the stream's j-th T
-    values; a CUDA generator lays its numbers out by the size drawn)."""
-    streams = [torch.Generator(device).manual_seed(seed) for seed in seeds]
-    return torch.cat(
-        [torch.rand(num_generations, max_new_tokens, generator=g, device=device) for g in streams]
-    )
+    step t in column t) are the first ``G * T`` values of a CPU stream seeded with ``seeds[b]`` alone. Sample j
+    of a prompt therefore gets the same draws whatever else shares the call and whatever G is (row j is the
+    stream's j-th T values), on every device: the numbers are drawn on the CPU and copied to ``device`` once
+    per call (a CUDA generator lays its numbers out by the size drawn, so sample j would depend on G)."""
+    streams = [torch.Generator().manual_seed(seed) for seed in seeds]
+    draws = torch.cat([torch.rand(num_generations, max_new_tokens, generator=g) for g in streams])
+    return draws.to(device)
 
 
 def stream_seed(*keys: int) -> int:
