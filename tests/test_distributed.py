@@ -211,9 +211,8 @@ RESUME_SCHEDULE = {"beta": 0.05, "warmup_steps": 3}  # the learning rate changes
 
 
 def two_process_run(trainer: str, overrides: dict) -> dict:
-    return run_spec(
-        trainer, {"top_k": None, **overrides, "save_steps": 2}
-    )  # and a checkpoint at the last step
+    # real sampling (top_k=None), and a checkpoint at the last step
+    return run_spec(trainer, {"top_k": None, **overrides, "save_steps": 2})
 
 
 def madpo_run(candidates_from: str) -> dict:
