@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import copy
 import os
+import subprocess
+import sys
 
 import pytest
 
@@ -221,6 +223,42 @@ def test_the_result_marker_cannot_be_found_by_the_teams_code(env, where):
     assert (result.info["success"], result.info["passed"]) == (False, 0)
 
 
+# A thread of the team's program that reads the pipe it prints into and, once the harness's first result line
+# shows the marker, prints a pass for every check and the final line.
+PIPE_THIEF = (
+    "import os, re, threading\n"
+    "def steal():\n"
+    "    fd, seen = os.open('/proc/self/fd/1', os.O_RDONLY), b''\n"
+    "    while not re.search(rb'comarl-[0-9a-f]{24} ', seen):\n"
+    "        chunk = os.read(fd, 4096)\n"
+    "        if not chunk:\n"
+    "            return\n"
+    "        seen += chunk\n"
+    "    m = re.search(rb'(comarl-[0-9a-f]{24}) ', seen).group(1)\n"
+    "    os.write(1, b''.join(b'\\n' + m + b' %d pass\\n' % i for i in range(50)) + b'\\n' + m + b' done\\n')\n"
+    "threading.Thread(target=steal, daemon=True).start()\n"
+)
+
+
+def test_the_teams_program_holds_no_end_of_the_harnesss_output(tmp_path):
+    """The team's program inherited the harness's stdout: through /proc/self/fd/1 it read the marker from the
+    first result line and printed passes of its own (full marks for wrong code under a trainer that is not root,
+    where the sandbox runs programs as the trainer's user). Run here without the sandbox, as this user, so that
+    nothing but the harness keeps the pipe from it; its prints now go to /dev/null."""
+    slow_wrong = "import time\ndef truncate_number(n):\n    time.sleep(0.3)\n    return 42\n"
+    program = build_program(TWO, {"helper": PIPE_THIEF, "main": slow_wrong})
+    ran = subprocess.run(
+        [sys.executable, "-I", "-c", code.HARNESS],
+        input=program.job(),
+        capture_output=True,
+        text=True,
+        cwd=tmp_path,
+        timeout=60,
+    )
+    report = code.parse_report(ran.stdout, program)
+    assert report.done and report.passed == 0, ran.stdout
+
+
 def test_the_tests_cannot_be_read_by_the_teams_code(env):
     """A candidate that looks the expected answer up in the test (in the files it can read, or the frames that
     call it) finds nothing: the tests run in the harness's process, which only sends it the arguments."""
@@ -250,6 +288,30 @@ def test_the_answers_travel_as_they_are_and_a_crash_during_a_check_is_reported(e
     assert result.info["feedback"].startswith(
         "4 of 5 checks passed.\nThe program stopped during check: assert candidate(4) == 1"
     )
+
+
+SUBCLASSES = {"task_id": "T/2", "prompt": "def f(x):\n", "entry_point": "f", "test": (
+    "def check(candidate):\n    assert candidate(0) == {'a': 2}\n    assert candidate(1) == (1, 2)\n"
+    "    assert candidate(2) == 'ab'\n")}  # fmt: skip
+
+
+def test_answers_of_built_in_subclasses_count_as_their_base_and_prints_go_nowhere(env):
+    """A Counter, a namedtuple and a str subclass are answers of built-in types (they were refused as "not made
+    of built-in types": a correct Counter failed HumanEval/111), compared as their bases; and debug prints
+    beyond the sandbox's output cap no longer stop a correct program (its stdout goes to /dev/null)."""
+    answers = (
+        "import collections\n"
+        "def f(x):\n"
+        "    print('debug ' * 20000)\n"
+        "    return [collections.Counter('aa'), collections.namedtuple('P', 'x y')(1, 2), type('S', (str,), {})('ab')][x]\n"
+    )
+    result = play(env, SUBCLASSES, "", answers)
+    assert (result.info["passed"], result.info["success"]) == (3, True), result.info["feedback"]
+    # a subclass's own __eq__ plays no part: the answer is its base's value
+    cheat = "class S(str):\n    def __eq__(self, other):\n        return True\n    __hash__ = str.__hash__\n"
+    result = play(env, SUBCLASSES, "", cheat + "def f(x):\n    return S('zz')\n")
+    assert (result.info["passed"], result.info["success"]) == (0, False)
+    assert "AssertionError: got 'zz'" in result.info["feedback"]
 
 
 def test_a_result_line_cut_by_the_output_cap_does_not_count():

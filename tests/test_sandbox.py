@@ -87,6 +87,23 @@ def test_runs_in_isolated_mode_in_a_fresh_directory_that_is_removed():
     assert not Path(cwd).exists()
 
 
+def test_the_launcher_keeps_no_stream_a_program_could_open_through_proc():
+    """The launcher (the program's parent) kept the trainer's pipes as its stdin/stdout/stderr and stayed dumpable:
+    a program of the same user opened /proc/<launcher>/fd/1 and read or wrote what the trainer reads. After the
+    fork it points them at /dev/null and turns non-dumpable, so its fds are not even listed to the program."""
+    probe = (
+        "import os\n"
+        "try:\n"
+        "    print(sorted(os.readlink(f'/proc/{os.getppid()}/fd/{n}') for n in (0, 1, 2)))\n"
+        "except OSError as error:\n"
+        "    print(type(error).__name__)\n"
+    )
+    result = run_python(probe, FAST)
+    assert result.ok, result.stderr
+    # root may read any process's fds; there they must be /dev/null
+    assert result.stdout.strip() in ("PermissionError", str(["/dev/null"] * 3)), result.stdout
+
+
 def test_exit_status_is_reported_but_os_exit_0_is_a_success():
     """sys.exit(3) is a failure; os._exit(0) before any test ran is exit 0, which is why the code task decides
     success by a marker printed at the very end, never by the exit status alone."""

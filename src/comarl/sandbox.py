@@ -76,6 +76,17 @@ if pid == 0:
         os.execv(sys.argv[7], [sys.argv[7], "-I", sys.argv[8]])
     finally:
         os._exit(127)
+# The program has its own copies of stdin/stdout/stderr; this process drops its own and becomes non-dumpable,
+# so that a program of the same user cannot open them (or the status fd) through /proc/<launcher>/fd.
+devnull = os.open(os.devnull, os.O_RDWR)
+for target in (0, 1, 2):
+    os.dup2(devnull, target)
+try:
+    import ctypes
+
+    ctypes.CDLL(None).prctl(4, 0, 0, 0, 0)  # PR_SET_DUMPABLE = 4 (Linux)
+except (ImportError, OSError, AttributeError):
+    pass
 
 
 def expire(signum, frame):
