@@ -10,7 +10,7 @@ import sys
 import pytest
 
 from comarl import Agent, MAGRPOConfig, MAGRPOTrainer, Team
-from comarl.sandbox import SandboxLimits
+from comarl.sandbox import RunResult, SandboxLimits
 from comarl.tasks import code
 from comarl.tasks.code import CodeCollabEnv, build_program, extract_code, load_items, mbpp_item
 
@@ -312,6 +312,22 @@ def test_answers_of_built_in_subclasses_count_as_their_base_and_prints_go_nowher
     result = play(env, SUBCLASSES, "", cheat + "def f(x):\n    return S('zz')\n")
     assert (result.info["passed"], result.info["success"]) == (0, False)
     assert "AssertionError: got 'zz'" in result.info["feedback"]
+
+
+def test_a_sandbox_that_cannot_start_the_harness_stops_the_step(monkeypatch):
+    """A run the sandbox could not start (reason "error": nothing of the team's ran) was scored as wrong code:
+    a correct team got 0.2 and training went on, on a broken sandbox."""
+    environment = CodeCollabEnv(num_agents=2, limits=LIMITS, max_workers=1)
+    broken = RunResult(
+        False, "error", None, "", "could not start: PermissionError(13)", 0.0, "namespaces=none"
+    )
+    monkeypatch.setattr(environment.pool, "run_many", lambda sources, stdins: [broken] * len(sources))
+    environment.reset(ZERO)
+    with pytest.raises(
+        RuntimeError, match=r"CodeCollabEnv: the sandbox could not start the harness \(could not start"
+    ):
+        environment.step([HELPER_0, MAIN_0])
+    environment.close()
 
 
 def test_a_result_line_cut_by_the_output_cap_does_not_count():

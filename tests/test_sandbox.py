@@ -385,6 +385,22 @@ def test_a_tampered_launcher_report_is_read_as_no_report_not_raised():
     assert sandbox._reason(None, "signal 24", 152, "") == ("cpu_time", -24)
 
 
+def test_an_interpreter_that_cannot_run_here_is_an_error_not_a_fallback(monkeypatch):
+    """A trainer that is not root, whose Python cannot run for it in a fresh directory (a virtual environment under
+    another user's home): every namespace probe failed, isolation fell back to none, and every run then failed
+    to start. The bare interpreter is probed first, and none working is an error naming the interpreters."""
+    probed = []
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 1000)
+    monkeypatch.setattr(
+        sandbox, "_runs", lambda prefix, python, uid: probed.append((prefix, python)) or False
+    )
+    with pytest.raises(
+        RuntimeError, match=r"comarl.sandbox: none of the Python interpreters \[.*\] runs a program"
+    ):
+        sandbox._probe(network=False)
+    assert probed and all(prefix == [] for prefix, _ in probed)  # no namespace probe was tried
+
+
 def test_process_limit_is_per_user_on_kernels_before_5_14(monkeypatch):
     """Linux counts RLIMIT_NPROC per user namespace only from 5.14; before, a user namespace does not make it
     per run, and every concurrent run (and the trainer's own threads) would share one small limit."""

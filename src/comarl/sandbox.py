@@ -210,6 +210,17 @@ def _probe(network: bool) -> Isolation:
     interpreters = list(dict.fromkeys(p for p in interpreters if p))
     uid: int | None = None
     python = interpreters[0]
+    if os.geteuid() != 0:
+        # Checked bare first: an interpreter that cannot run here would make every namespace probe fail too, and
+        # the runs would then fail to start with no isolation reported as the cause.
+        python = next((p for p in interpreters if _runs([], p, None)), "")
+        if not python:
+            raise RuntimeError(
+                f"comarl.sandbox: none of the Python interpreters {interpreters} runs a program in a fresh "
+                f"temporary directory as this user (uid {os.geteuid()}): make one of them executable and readable "
+                "by this user (a virtual environment under another user's home often is not), or install python3 "
+                "system-wide"
+            )
     if os.geteuid() == 0:
         usable = [p for p in interpreters if _runs([], p, NOBODY)]
         if usable:
@@ -441,6 +452,13 @@ def _communicate(
                     ended_by = "output_limit"
             if ended_by is not None:
                 break
+        # The pipes close when the program's side does (the launcher drops its copies once the program starts);
+        # the launcher reports the program's end after reaping it, so wait for it, unreaped, up to the deadline.
+        while ended_by is None and not _has_exited(proc):
+            if time.perf_counter() >= deadline:
+                ended_by = "timeout"
+                break
+            time.sleep(0.002)
     finally:
         selector.close()
     return bytes(buffers[proc.stdout.fileno()]), bytes(buffers[proc.stderr.fileno()]), ended_by  # type: ignore[union-attr]

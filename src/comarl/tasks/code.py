@@ -987,6 +987,13 @@ class CodeCollabEnv(Env):
             for _ in actions:
                 episode, action, codes, program, compiles = next(flat)
                 run = next(runs) if compiles else None
+                if run is not None and run.reason == "error":
+                    # Nothing of the team's ran: scoring it as wrong code would train on a broken sandbox.
+                    raise RuntimeError(
+                        f"CodeCollabEnv: the sandbox could not start the harness ({run.stderr.strip()}; "
+                        f"isolation: {run.isolation}). Check that its Python runs for the sandbox's user and that "
+                        "no processes of earlier runs use up the process limit (docs/sandbox.md)"
+                    )
                 outcome = score(episode.item, codes, program, run, self.helper_name, self.weights)
                 row.append(self._result(episode, action, outcome))
             results.append(row)
