@@ -32,6 +32,7 @@ CANONICAL_32 = """    begin, end = -1.0, 1.0
 LIMITS = SandboxLimits(timeout_s=10.0, cpu_s=10.0, memory_mb=512)
 ITEMS = {item["task_id"]: item for item in load_items("all")}
 ZERO, TWO = ITEMS["HumanEval/0"], ITEMS["HumanEval/2"]
+TWO_CHECKS = build_program(TWO, {"solution": ""}).checks
 
 # HumanEval/0 (has_close_elements), written by hand: the helper finds the closest gap, main compares it.
 HELPER_0 = '''```python
@@ -321,6 +322,18 @@ def test_a_future_import_in_an_agents_code_opens_the_joined_program(env):
     assert play(env, TWO, "", future + "    return n % 1.0\n").info["success"] is True
     failed = play(env, TWO, "", future + "    raise ValueError('no')\n")
     assert "raised in the main code, line 4: raise ValueError('no')" in failed.info["feedback"]
+
+
+def test_a_program_that_ends_in_the_first_check_is_told_so(env):
+    """A team's program that ended during check 0 (os._exit, killing its parent) was told "The program stopped
+    before the tests ran": the harness now says when the checks begin."""
+    result = play(env, TWO, "", "import os\ndef truncate_number(n):\n    os._exit(0)\n")
+    first = TWO_CHECKS[0]
+    assert result.info["feedback"].startswith(
+        f"0 of {len(TWO_CHECKS)} checks passed.\nThe program stopped during check: {first}"
+    )
+    crash = play(env, TWO, "", "raise ValueError('at import')\n")
+    assert crash.info["feedback"].startswith("The program stopped before the tests ran:")
 
 
 def test_a_sandbox_that_cannot_start_the_harness_stops_the_step(monkeypatch):

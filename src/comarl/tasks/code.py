@@ -594,6 +594,7 @@ _comarl_os.close(requests_read)
 _comarl_os.close(replies_write)
 if _comarl_receive(replies) is None:  # the team's program ended before the tests (a crash, an exit)
     team_ended()
+report("started")  # the feedback of a program that dies in check 0 must not say "before the tests ran"
 signal.signal(signal.SIGALRM, on_alarm)
 timed_out = False
 for index, name in enumerate(job["check_names"]):
@@ -675,6 +676,7 @@ class Report:
     failures: list[dict[str, Any] | None]  # per check: None when it passed
     reported: list[bool]
     done: bool
+    started: bool = False  # the team's program was loaded and the checks began
 
     @property
     def passed(self) -> int:
@@ -685,7 +687,7 @@ def parse_report(stdout: str, program: Program) -> Report:
     """Read the lines that start with the program's marker (others are the program's own output)."""
     count = len(program.checks)
     failures: list[dict[str, Any] | None] = [None] * count
-    reported, done = [False] * count, False
+    reported, done, started = [False] * count, False, False
     # Only whole lines: the output cap can cut the last one anywhere, e.g. "<marker> 3 fa" of a failing check.
     for line in stdout.split("\n")[:-1]:
         if not line.startswith(program.marker + " "):
@@ -693,6 +695,8 @@ def parse_report(stdout: str, program: Program) -> Report:
         words = line[len(program.marker) + 1 :].split(" ", 2)
         if words == ["done"]:
             done = True
+        elif words == ["started"]:
+            started = True
         elif (
             len(words) >= 2
             and words[1] in ("pass", "fail")
@@ -717,7 +721,7 @@ def parse_report(stdout: str, program: Program) -> Report:
                 ):
                     failure = {"error": "the check failed", "lines": []}
                 failures[index] = failure
-    return Report(failures, reported, done)
+    return Report(failures, reported, done, started)
 
 
 # ----------------------------------------------------------------------------- scoring
@@ -852,7 +856,7 @@ def _feedback(
                 text += f"\n    raised in the {where} code, line {number}: {source_line}"
             return text
     first_missing = next((i for i, r in enumerate(report.reported) if not r), None)
-    if not any(report.reported):
+    if not any(report.reported) and not report.started:
         if run.reason == "timeout":
             return (
                 "Timeout: the program did not reach the tests (is there an endless loop at the top level?)."
