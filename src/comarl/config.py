@@ -159,9 +159,14 @@ class MAGRPOConfig:
     lr_scheduler_type: str = _help(
         "Learning-rate schedule after warmup: constant, linear (to 0) or cosine (to 0).", default="constant"
     )
-    warmup_steps: int = _help("Linear warmup steps from 0 to learning_rate.", default=0)
+    warmup_steps: int = _help(
+        "Linear warmup over this many optimizer steps: step s (from 0) uses (s + 1) / (warmup_steps + 1) of "
+        "learning_rate, so no step is taken at rate 0.",
+        default=0,
+    )
     warmup_ratio: float = _help(
-        "Warmup as a fraction of total steps (used when warmup_steps is 0).", default=0.0
+        "Warmup as a fraction of the optimizer steps, rounded up as in transformers (used when warmup_steps is 0).",
+        default=0.0,
     )
 
     # --- generation

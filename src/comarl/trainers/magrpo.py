@@ -1265,7 +1265,7 @@ def rollout_metrics(rollout: Rollout, data: DataParallel | None = None) -> dict[
 
 def lr_lambda(args: MAGRPOConfig, total: int) -> Callable[[int], float]:
     """Multiplier of the learning rate at optimizer step ``s``: linear warmup, then constant/linear/cosine to 0."""
-    warmup = args.warmup_steps or int(args.warmup_ratio * total)
+    warmup = args.warmup_steps or math.ceil(args.warmup_ratio * total)  # rounded up, as transformers does
 
     def factor(s: int) -> float:
         if s < warmup:
