@@ -2,7 +2,7 @@
 
 One joint action, top to bottom (``CodeCollabEnv.step_many`` does this for a whole batch at once):
 
-1. each completion becomes code (the first ``` fenced block, if any);
+1. each completion becomes code (its fenced block that defines the agent's function, if it has fences);
 2. the team's program is joined: the problem prompt's context (imports, and any other function
    the prompt defines) + the helper's code + the main agent's code + a small server that answers
    calls of the entry point;
@@ -13,8 +13,8 @@ One joint action, top to bottom (``CodeCollabEnv.step_many`` does this for a who
    check in its own process, where ``candidate`` calls the child (arguments and answers cross as
    built-in values, with a per-check time limit). It prints one result line per check and a final
    line, tagged with the marker. The team's code never runs in the process that holds the marker
-   and the tests, so it can neither read them nor fake a result; one that exits early loses the
-   checks it skipped;
+   and the tests, and its prints go to /dev/null, so it can neither read them nor fake a result;
+   one that exits early loses the checks it skipped;
 4. the reward levels are scored (weights in ``WEIGHTS``; see docs/tasks.md)::
 
        total = 0.1 defined + 0.1 syntax + 0.6 tests + 0.2 helper_used        (two agents)
@@ -684,7 +684,7 @@ class Report:
 
 
 def parse_report(stdout: str, program: Program) -> Report:
-    """Read the lines that start with the program's marker (others are the program's own output)."""
+    """Read the lines that start with the program's marker (any other line is ignored)."""
     count = len(program.checks)
     failures: list[dict[str, Any] | None] = [None] * count
     reported, done, started = [False] * count, False, False
