@@ -70,6 +70,24 @@ def _fixed_reward(alice, bob, **_):
     return [1.0, 3.0, 0.0, 4.0]
 
 
+def _actor_critic(
+    trainer_cls, demo_team, reward_func=_fixed_reward, transition=None, critic_model=None, **settings
+):
+    """``trainer_cls`` (IAC or MAAC) on the demo game: one step of 2 prompts x 2 samples of 2 tokens, seeded,
+    unless ``settings`` say otherwise."""
+    config = {"IACTrainer": IACConfig, "MAACTrainer": MAACConfig}[trainer_cls.__name__]
+    base = dict(max_steps=1, prompts_per_step=2, num_generations=2, max_new_tokens=2, reward_call="batched")
+    return trainer_cls(
+        agents=demo_team,
+        train_dataset=demo.dataset(),
+        reward_func=reward_func,
+        formatters=[demo.formatter(0), demo.formatter(1)],
+        transition=transition,
+        critic_model=critic_model,
+        args=config(**{**base, "progress_bar": False, "seed": 0, **settings}),
+    )
+
+
 def _capture_actor_inputs(trainer, values):
     """Fix the critic's values, skip the updates; returns (the rollout holder, agent -> (A, targets, V_old))."""
     collect, seen, calls = trainer._collect, {}, {}
@@ -103,22 +121,7 @@ def test_actor_critic_advantage_is_the_return_less_its_own_nodes_value(demo_team
     agent 1: mean 2, deviations [-2, 0, -1, 3], squares sum 14, std sqrt(14 / 3) = 2.1602469
     -> [-.9258201, 0, -.4629100, 1.3887301]. (Without the baseline, both agents would whiten [1, 3, 0, 4] alike.)
     """
-    trainer = IACTrainer(
-        agents=demo_team,
-        train_dataset=demo.dataset(),
-        reward_func=_fixed_reward,
-        formatters=[demo.formatter(0), demo.formatter(1)],
-        args=IACConfig(
-            max_steps=1,
-            prompts_per_step=2,
-            num_generations=2,
-            max_new_tokens=2,
-            reward_call="batched",
-            whiten_advantages=whiten_advantages,
-            progress_bar=False,
-            seed=0,
-        ),
-    )
+    trainer = _actor_critic(IACTrainer, demo_team, whiten_advantages=whiten_advantages)
     assert trainer.value_heads is not None
     seen, calls = _capture_actor_inputs(trainer, torch.tensor([[0.5, 1.0], [2.0, -1.0]]))
     trainer.training_step(demo.dataset()[:2])
@@ -145,25 +148,16 @@ def test_actor_critic_targets_use_the_discount_as_gamma_and_gae_lambda_as_lambda
     + .125 V -> 1.75 and 2.25. The other tests use lambda = 1 with V = 0, where the swap gives the same numbers.)
     Advantages (whitening off) G - V[node]: [2.25, 3.75, 4 - 2, 4 - 2, 4 - 6, 4 - 6].
     """
-    trainer = IACTrainer(
-        agents=demo_team,
-        train_dataset=demo.dataset(),
+    trainer = _actor_critic(
+        IACTrainer,
+        demo_team,
         reward_func=lambda a, b, prompts: [4.0 if p.startswith("again") else 1.0 for p in prompts[0]],
-        formatters=[demo.formatter(0), demo.formatter(1)],
         transition=lambda item, completions, history: ["again", "again"],
-        args=IACConfig(
-            max_steps=1,
-            prompts_per_step=1,
-            num_generations=2,
-            max_new_tokens=2,
-            num_turns=2,
-            discount=0.5,
-            gae_lambda=0.25,
-            whiten_advantages=False,
-            reward_call="batched",
-            progress_bar=False,
-            seed=0,
-        ),
+        prompts_per_step=1,
+        num_turns=2,
+        discount=0.5,
+        gae_lambda=0.25,
+        whiten_advantages=False,
     )
     seen, calls = _capture_actor_inputs(trainer, torch.tensor([[0.0, 0.0], [2.0, 2.0], [6.0, 6.0]]))
     trainer.training_step(demo.dataset()[:1])
@@ -186,23 +180,13 @@ def test_q_critic_advantage_is_q_less_the_counterfactual_baseline_and_v_old_the_
     the joint actions -> 4 and 40). Targets: agent 0 [(1 + 3) / 2, (0 + 4) / 2] = [2, 2], agent 1
     [(1 + 0) / 2, (3 + 4) / 2] = [.5, 3.5].
     """
-    trainer = MAACTrainer(
-        agents=demo_team,
-        train_dataset=demo.dataset(),
-        reward_func=_fixed_reward,
-        formatters=[demo.formatter(0), demo.formatter(1)],
-        args=MAACConfig(
-            max_steps=1,
-            prompts_per_step=1,
-            num_generations=2,
-            max_new_tokens=2,
-            joint_mode="cross",
-            critic_type="q",
-            whiten_advantages=False,
-            reward_call="batched",
-            progress_bar=False,
-            seed=0,
-        ),
+    trainer = _actor_critic(
+        MAACTrainer,
+        demo_team,
+        prompts_per_step=1,
+        joint_mode="cross",
+        critic_type="q",
+        whiten_advantages=False,
     )
     q = torch.tensor([[[1.0, 10.0], [2.0, 20.0], [3.0, 30.0], [4.0, 40.0]]])
     seen, calls = _capture_actor_inputs(trainer, q)
@@ -230,24 +214,8 @@ def test_value_head_loss_is_value_coef_times_the_mini_batch_mean(demo_team, valu
     """
     from comarl.engines import HFEngine, SamplingParams
 
-    trainer = IACTrainer(
-        agents=demo_team,
-        train_dataset=demo.dataset(),
-        reward_func=_fixed_reward,
-        formatters=[demo.formatter(0), demo.formatter(1)],
-        args=IACConfig(
-            max_steps=1,
-            prompts_per_step=2,
-            num_generations=2,
-            max_new_tokens=2,
-            reward_call="batched",
-            value_coef=0.5,
-            value_clip=value_clip,
-            micro_batch_size=1,
-            max_grad_norm=None,
-            progress_bar=False,
-            seed=0,
-        ),
+    trainer = _actor_critic(
+        IACTrainer, demo_team, value_coef=0.5, value_clip=value_clip, micro_batch_size=1, max_grad_norm=None
     )
     head, agent = trainer.value_heads[0], trainer.team[0]
     gen = HFEngine().generate(agent, ["alice and bob"], 2, SamplingParams(max_new_tokens=2))
@@ -281,23 +249,8 @@ def test_a_separate_critic_clips_its_values_like_the_value_head(demo_team, value
     row 1: max(1, (.3 + 1)^2 = 1.69) = 1.69 through the saturated clamp, gradient 0. Metric (.5 + .845) / 2 = .6725,
     d/d bias = (-1 + 0) / 2 = -.5.
     """
-    trainer = IACTrainer(
-        agents=demo_team,
-        train_dataset=demo.dataset(),
-        reward_func=_fixed_reward,
-        formatters=[demo.formatter(0), demo.formatter(1)],
-        critic_model=demo_team[0],
-        args=IACConfig(
-            max_steps=1,
-            prompts_per_step=2,
-            num_generations=2,
-            max_new_tokens=2,
-            reward_call="batched",
-            value_clip=value_clip,
-            max_grad_norm=None,
-            progress_bar=False,
-            seed=0,
-        ),
+    trainer = _actor_critic(
+        IACTrainer, demo_team, critic_model=demo_team[0], value_clip=value_clip, max_grad_norm=None
     )
     critic = trainer.critics[0]
     grads, step = [], trainer._step
@@ -325,23 +278,7 @@ def test_ppo_mini_batches_of_one_epoch_keep_the_behaviour_log_probs(demo_team, m
     """
     import comarl.trainers.actor_critic as actor_critic
 
-    trainer = IACTrainer(
-        agents=demo_team,
-        train_dataset=demo.dataset(),
-        reward_func=_fixed_reward,
-        formatters=[demo.formatter(0), demo.formatter(1)],
-        args=IACConfig(
-            max_steps=1,
-            prompts_per_step=2,
-            num_generations=2,
-            max_new_tokens=2,
-            reward_call="batched",
-            num_mini_batches=2,
-            learning_rate=1e-2,
-            progress_bar=False,
-            seed=0,
-        ),
-    )
+    trainer = _actor_critic(IACTrainer, demo_team, num_mini_batches=2, learning_rate=1e-2)
     seen, surrogate = [], actor_critic.clipped_surrogate
 
     def spy(logprobs, old_logprobs, *args, **kwargs):
@@ -365,22 +302,7 @@ def test_approx_kl_metric_is_k3_of_the_sampler_against_the_new_policy(demo_team)
     """
     from comarl.engines import HFEngine, SamplingParams
 
-    trainer = IACTrainer(
-        agents=demo_team,
-        train_dataset=demo.dataset(),
-        reward_func=_fixed_reward,
-        formatters=[demo.formatter(0), demo.formatter(1)],
-        args=IACConfig(
-            max_steps=1,
-            prompts_per_step=2,
-            num_generations=2,
-            max_new_tokens=2,
-            num_iterations=2,
-            reward_call="batched",
-            progress_bar=False,
-            seed=0,
-        ),
-    )
+    trainer = _actor_critic(IACTrainer, demo_team, num_iterations=2)
     logprobs, step = trainer._logprobs, trainer._step
     trainer._logprobs = lambda i, gen, batches, model=None: logprobs(i, gen, batches, model) + 0.5
 
@@ -406,23 +328,7 @@ def test_each_ppo_mini_batch_is_normalised_by_its_own_size(demo_team, aggregatio
     """
     from comarl.engines import HFEngine, SamplingParams
 
-    trainer = IACTrainer(
-        agents=demo_team,
-        train_dataset=demo.dataset(),
-        reward_func=_fixed_reward,
-        formatters=[demo.formatter(0), demo.formatter(1)],
-        args=IACConfig(
-            max_steps=1,
-            prompts_per_step=2,
-            num_generations=2,
-            max_new_tokens=2,
-            num_mini_batches=2,
-            loss_aggregation=aggregation,
-            reward_call="batched",
-            progress_bar=False,
-            seed=0,
-        ),
-    )
+    trainer = _actor_critic(IACTrainer, demo_team, num_mini_batches=2, loss_aggregation=aggregation)
     step = trainer._step
 
     def no_move(optimizer, parameters, head):
@@ -473,22 +379,8 @@ def test_actor_critic_schedule_spans_every_mini_batch_step(demo_team):
     max_steps 2, num_iterations 1, num_mini_batches 2: total 4, factor(s) = 1 - s / 4 -> [1, .75, .5, .25, 0]
     (mutation: total 2 -> [1, .5, 0, 0, 0]).
     """
-    trainer = IACTrainer(
-        agents=demo_team,
-        train_dataset=demo.dataset(),
-        reward_func=_fixed_reward,
-        formatters=[demo.formatter(0), demo.formatter(1)],
-        args=IACConfig(
-            max_steps=2,
-            prompts_per_step=2,
-            num_generations=2,
-            max_new_tokens=2,
-            num_mini_batches=2,
-            lr_scheduler_type="linear",
-            reward_call="batched",
-            progress_bar=False,
-            seed=0,
-        ),
+    trainer = _actor_critic(
+        IACTrainer, demo_team, max_steps=2, num_mini_batches=2, lr_scheduler_type="linear"
     )
     for scheduler in trainer.schedulers:
         factor = scheduler.lr_lambdas[0]
