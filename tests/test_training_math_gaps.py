@@ -1,5 +1,5 @@
-"""Hand-computed checks of the actor-critic, preference, KL-in-reward and schedule math that a second mutation
-test found unpinned by the other tests.
+"""Hand-computed checks of the actor-critic, preference, KL-in-reward and schedule math that a second and a third
+mutation test found unpinned by the other tests.
 
 Each test names the mutation it kills; every expected number is worked out by hand in the comments.
 """
@@ -13,7 +13,18 @@ import pytest
 import torch
 from torch.testing import assert_close
 
-from comarl import IACConfig, IACTrainer, MAACConfig, MAACTrainer, MAGRPOConfig, MARLHFConfig, MARLHFTrainer
+from comarl import (
+    IACConfig,
+    IACTrainer,
+    MAACConfig,
+    MAACTrainer,
+    MADPOConfig,
+    MADPOTrainer,
+    MAGRPOConfig,
+    MAGRPOTrainer,
+    MARLHFConfig,
+    MARLHFTrainer,
+)
 from comarl.algorithms import aggregate_loss, clipped_surrogate, explained_variance
 from comarl.critics import last_token_hidden
 from comarl.tasks import demo
@@ -66,12 +77,17 @@ def demo_team(tmp_path_factory):
 
 def _fixed_reward(alice, bob, **_):
     """Team rewards by position in the batch: node 0's two joint actions 1 and 3, node 1's 0 and 4."""
-    assert len(alice) == 4
-    return [1.0, 3.0, 0.0, 4.0]
+    return [1.0, 3.0, 0.0, 4.0][: len(alice)]
 
 
 def _actor_critic(
-    trainer_cls, demo_team, reward_func=_fixed_reward, transition=None, critic_model=None, **settings
+    trainer_cls,
+    demo_team,
+    reward_func=_fixed_reward,
+    transition=None,
+    critic_model=None,
+    formatters=None,
+    **settings,
 ):
     """``trainer_cls`` (IAC or MAAC) on the demo game: one step of 2 prompts x 2 samples of 2 tokens, seeded,
     unless ``settings`` say otherwise."""
@@ -81,7 +97,7 @@ def _actor_critic(
         agents=demo_team,
         train_dataset=demo.dataset(),
         reward_func=reward_func,
-        formatters=[demo.formatter(0), demo.formatter(1)],
+        formatters=formatters or [demo.formatter(0), demo.formatter(1)],
         transition=transition,
         critic_model=critic_model,
         args=config(**{**base, "progress_bar": False, "seed": 0, **settings}),
@@ -548,3 +564,299 @@ def test_magrpo_passes_the_lower_and_upper_clip_in_order(qwen_bpe, monkeypatch):
     gen = HFEngine().generate(trainer.team[0], ["alice and bob"], 2, SamplingParams(max_new_tokens=2))
     trainer.update_agent(0, gen, torch.tensor([1.0, -1.0]))
     assert seen and all(pair == (0.1, 0.3) for pair in seen)
+
+
+# ----------------------------------------------------------------------------- found by the third mutation test
+
+
+def _zero_reward(alice, bob, **_):
+    return [0.0] * len(alice)
+
+
+def _reference_shifted(trainer, shift):
+    """The reference's log-probs are the policy's + ``shift`` on every token (the policy's are untouched)."""
+    logprobs = trainer._logprobs
+    trainer._logprobs = lambda i, gen, batches, model=None: (
+        logprobs(i, gen, batches, model) + (shift if model is not None else 0.0)
+    )
+
+
+# ----------------------------------------------------------------------------- the KL term of the actor's loss
+
+
+def test_actor_critic_kl_in_the_loss_adds_beta_times_k3(demo_team):
+    """kl_penalty='loss': the per-token loss is the surrogate + beta x k3(pi || ref) (mutation: ``- beta * kl``, which
+    rewards moving away from the reference).
+    Advantages 0, so the surrogate is -min(r * 0, clip(r) * 0) = 0; entropy_coef 0; the value head starts at 0 and
+    its targets and old values are 0, so the value loss is 0. The reference is the policy + .5 on every token:
+    ref - logp = .5, k3 = e^.5 - .5 - 1 = 1.6487213 - 1.5 = .1487213 per token. dapo over the tokens: the loss
+    metric is beta x .1487213 = .01487213 with beta .1 (mutation: -.01487213); the kl metric .1487213 either way.
+    """
+    from comarl.engines import HFEngine, SamplingParams
+
+    trainer = _actor_critic(IACTrainer, demo_team, beta=0.1, kl_penalty="loss")
+    assert trainer.references is not None
+    _reference_shifted(trainer, 0.5)
+    gen = HFEngine().generate(trainer.team[0], ["alice and bob"], 2, SamplingParams(max_new_tokens=2))
+    zeros = torch.zeros(2)
+    metrics = trainer.update_actor(0, gen, zeros, zeros, zeros)
+    k3 = math.exp(0.5) - 1.5
+    assert metrics["kl"] == pytest.approx(k3, abs=1e-5)
+    assert metrics["loss"] == pytest.approx(0.1 * k3, abs=1e-6)
+
+
+def test_actor_critic_kl_in_the_reward_is_not_also_in_the_loss(demo_team):
+    """kl_penalty='reward': the KL is already in the returns, so the actor's loss has no KL term (mutation: the
+    reference log-probs taken whatever kl_penalty says, so the KL counts twice).
+    Same set-up as above: advantages 0, zero value loss, the reference the policy + .5. The loss is 0 and there is
+    no kl metric (mutation: loss .1 x (e^.5 - 1.5) = .01487213, and a kl metric).
+    """
+    from comarl.engines import HFEngine, SamplingParams
+
+    trainer = _actor_critic(IACTrainer, demo_team, beta=0.1, kl_penalty="reward")
+    _reference_shifted(trainer, 0.5)
+    gen = HFEngine().generate(trainer.team[0], ["alice and bob"], 2, SamplingParams(max_new_tokens=2))
+    zeros = torch.zeros(2)
+    metrics = trainer.update_actor(0, gen, zeros, zeros, zeros)
+    assert "kl" not in metrics
+    assert metrics["loss"] == pytest.approx(0.0, abs=1e-7)
+
+
+# ----------------------------------------------------------------------------- the KL penalty in the rewards
+
+
+def _two_turns_kl_one(monkeypatch):
+    """Every completion's sequence KL is 1 (so its penalty is beta)."""
+    import comarl.trainers.magrpo as magrpo
+
+    monkeypatch.setattr(magrpo, "sequence_kl_k1", lambda logp, ref, mask: torch.ones(logp.shape[0]))
+
+
+def test_magrpo_kl_penalty_in_the_reward_is_discounted_down_the_tree(demo_team, monkeypatch):
+    """kl_penalty='reward' recomputes the returns with the run's discount (mutation: ``with_rewards(..., 1.0, ...)``,
+    undiscounted; the other tests use one turn, or discount 1, where both agree).
+    Two turns, one prompt, G = 2 aligned: root node 0 -> children 1 and 2. Task rewards 0, every KL 1, beta .2:
+    each completion's reward is -.2. Leaves: return -.2. Root: -.2 + .5 x mean(-.2, -.2) = -.3 (mutation: -.2
+    - .2 = -.4). Per agent, per completion [nodes, G]: [[-.3, -.3], [-.2, -.2], [-.2, -.2]]. The kl_penalty metric:
+    the mean penalty, .2 x 1 = .2.
+    """
+    _two_turns_kl_one(monkeypatch)
+    trainer = MAGRPOTrainer(
+        agents=demo_team,
+        train_dataset=demo.dataset(),
+        reward_func=_zero_reward,
+        formatters=[demo.formatter(0), demo.formatter(1)],
+        transition=lambda item, completions, history: ["again", "again"],
+        args=MAGRPOConfig(
+            prompts_per_step=1,
+            num_generations=2,
+            max_new_tokens=2,
+            num_turns=2,
+            discount=0.5,
+            beta=0.2,
+            kl_penalty="reward",
+            reward_call="batched",
+            progress_bar=False,
+            seed=0,
+        ),
+    )
+    rollout = trainer._collect(demo.dataset()[:1])
+    assert rollout.child.tolist() == [[1, 2], [-1, -1], [-1, -1]]  # the tree the numbers assume
+    metrics = {}
+    penalised = trainer._penalised(rollout, metrics)
+    for i in range(2):
+        assert penalised.returns[i].flatten().tolist() == pytest.approx([-0.3, -0.3, -0.2, -0.2, -0.2, -0.2])
+        assert metrics[f"agent_{i}/kl_penalty"] == pytest.approx(0.2)
+
+
+def test_actor_critic_value_targets_are_the_kl_penalised_returns(demo_team, monkeypatch):
+    """IAC with kl_penalty='reward': the critic's targets (and the advantages) come from the penalised rewards
+    (mutation: the penalty dropped from the actor-critic step, so the targets are the task returns, 0). The targets
+    are TD(lambda) of the penalised rewards (``tree_lambda_returns``), not the rollout's returns, so the discount of
+    ``_penalised``'s ``with_rewards`` does not reach them.
+    Two turns, one prompt, G = 2, root 0 -> children 1 and 2; task rewards 0, every KL 1, beta .2: every reward -.2.
+    Values fixed at 0, lambda = 1, discount .5: leaves -.2; root actions -.2 + .5 x (-.2) = -.3 (penalty dropped:
+    0). Targets per completion, both agents: [-.3, -.3, -.2, -.2, -.2, -.2];
+    with V = 0 and whitening off the advantages are the same numbers.
+    """
+    _two_turns_kl_one(monkeypatch)
+    trainer = _actor_critic(
+        IACTrainer,
+        demo_team,
+        prompts_per_step=1,
+        num_turns=2,
+        discount=0.5,
+        gae_lambda=1.0,
+        beta=0.2,
+        kl_penalty="reward",
+        whiten_advantages=False,
+        reward_func=_zero_reward,
+        transition=lambda item, completions, history: ["again", "again"],
+    )
+    calls = {}
+
+    def update_actor(i, gen, advantages, value_targets, old_values):
+        calls[i] = (advantages.tolist(), value_targets.tolist())
+        return {}
+
+    trainer._critic_values = lambda rollout: ([None], torch.zeros(3, 2))
+    trainer.update_actor = update_actor
+    metrics, _ = trainer.training_step(demo.dataset()[:1])
+    expected = [-0.3, -0.3, -0.2, -0.2, -0.2, -0.2]
+    for i in range(2):
+        assert calls[i][1] == pytest.approx(expected)
+        assert calls[i][0] == pytest.approx(expected)
+        assert metrics[f"agent_{i}/kl_penalty"] == pytest.approx(0.2)
+
+
+# ----------------------------------------------------------------------------- the critic's node values
+
+
+def test_value_heads_read_each_nodes_own_prompt(demo_team, monkeypatch):
+    """A value head values node n from node n's prompt, row n x G of the generation (mutation: ``roots =
+    arange(nodes)``, rows 0, 1, ...: node 1 would read row 1, node 0's second sample, i.e. node 0's prompt;
+    the value heads start at 0, so every other test sees V = 0 whichever prompt is read).
+    The hidden state is replaced by the prompt's length in tokens and agent i's head by h -> (i + 1) h. The demo
+    tokenizers give one token per word and no BOS: "where will you meet" is 4 tokens, twice that 8.
+    V = [[4, 8], [8, 16]] (mutation: node 1 reads node 0's prompt: [[4, 8], [4, 8]]).
+    """
+    import comarl.trainers.actor_critic as actor_critic
+
+    prompts = ["where will you meet", "where will you meet where will you meet"]
+    trainer = _actor_critic(
+        IACTrainer,
+        demo_team,
+        formatters=[lambda item: item["prompt"]] * 2,
+        reward_func=_zero_reward,
+    )
+    rollout = trainer._collect([{"prompt": p} for p in prompts])
+    monkeypatch.setattr(
+        actor_critic, "last_token_hidden", lambda model, ids, mask: mask.sum(dim=1, keepdim=True).float()
+    )
+    trainer.value_heads = [lambda h: h, lambda h: 2 * h]
+    _, values = trainer._critic_values(rollout)
+    assert values.tolist() == [[4.0, 8.0], [8.0, 16.0]]
+
+
+def test_a_separate_critic_regresses_on_the_returns_not_the_advantages(demo_team):
+    """A separate critic's targets are the TD(lambda) returns themselves (mutation: the returns less the critic's
+    own values, ``targets - V``, which the value-head path does not share, so the tests of the head miss it).
+    IAC with a critic model per agent, one turn, 2 prompts x G = 2 aligned; team rewards by node [[1, 3], [0, 4]];
+    the critic's values fixed by hand V[node, agent] = [[.5, 1], [2, -1]]. One sample per node, target the mean over
+    its joint actions: node 0 (1 + 3) / 2 = 2, node 1 (0 + 4) / 2 = 2, for both agents: [[2], [2]]
+    (mutation: agent 0 [[2 - .5], [2 - 2]] = [[1.5], [0]], agent 1 [[1], [3]]); the old values are V's column.
+    """
+    trainer = _actor_critic(IACTrainer, demo_team, critic_model=demo_team[0])
+    assert trainer.value_heads is None and len(trainer.critics) == 2
+    critic_calls = {}
+
+    def update_critic(c, samples, targets, old_values):
+        critic_calls[c] = (targets.tolist(), old_values.tolist())
+        return {}
+
+    trainer._critic_values = lambda rollout: ([None, None], torch.tensor([[0.5, 1.0], [2.0, -1.0]]))
+    trainer.update_actor = lambda *args: {}
+    trainer.update_critic = update_critic
+    trainer.training_step(demo.dataset()[:2])
+    assert critic_calls[0] == ([[2.0], [2.0]], [[0.5], [2.0]])
+    assert critic_calls[1] == ([[2.0], [2.0]], [[1.0], [-1.0]])
+
+
+# ----------------------------------------------------------------------------- the centralized critic's loss
+
+
+def test_centralized_critic_loss_is_the_mean_over_its_outputs(demo_team):
+    """A centralized critic (one output per agent) learns sum_samples mean_outputs L / |mini-batch| (mutation: the
+    sum over the outputs, N times the loss and gradient; the other critic tests use one output, where both agree).
+    A fresh critic (zero head: V = 0) on 2 samples, targets y = [[1, 3], [-1, 1]], V_old = 0, no clip:
+    L = .5 y^2 = [[.5, 4.5], [.5, .5]]; per sample mean over outputs [2.5, .5]; / 2 samples: value_loss 1.5
+    (mutation: (5 + 1) / 2 = 3). d/d bias_j = sum_s (1/2) (V - y)_sj / 2: j = 0: (-1 + 1) / 4 = 0,
+    j = 1: (-3 - 1) / 4 = -1 (mutation: 0 and -2).
+    """
+    trainer = MAACTrainer(
+        agents=demo_team,
+        train_dataset=demo.dataset(),
+        reward_func=_fixed_reward,
+        formatters=[demo.formatter(0), demo.formatter(1)],
+        critic_model=demo_team[0],
+        args=MAACConfig(
+            max_steps=1,
+            prompts_per_step=2,
+            num_generations=2,
+            max_new_tokens=2,
+            reward_call="batched",
+            max_grad_norm=None,
+            progress_bar=False,
+            seed=0,
+        ),
+    )
+    critic = trainer.critics[0]
+    assert critic.head.linear.out_features == 2
+    grads, step = [], trainer._step
+
+    def capture(optimizer, parameters, head):
+        grads.append(critic.head.linear.bias.grad.tolist())
+        return step(optimizer, parameters, head)
+
+    trainer._step = capture
+    samples = critic.encode(["agent 0 sees: a\nagent 1 sees: b", "agent 0 sees: b c\nagent 1 sees: a"])
+    stats = trainer.update_critic(0, samples, torch.tensor([[1.0, 3.0], [-1.0, 1.0]]), torch.zeros(2, 2))
+    assert len(grads) == 1
+    assert grads[0] == pytest.approx([0.0, -1.0], abs=1e-6)
+    assert stats["value_loss"] == pytest.approx(1.5)
+
+
+# ----------------------------------------------------------------------------- MADPO with a frozen agent
+
+
+@pytest.mark.parametrize("dpo_reference", ["none", "initial"])
+def test_madpo_frozen_agents_margin_counts_in_the_team_without_a_reference(demo_team, dpo_reference):
+    """A frozen agent is not trained, but its margin is part of the team's. Against the initial reference its margin
+    is 0 (it is its own reference); reference-free (dpo_reference 'none') it is beta (log pi(w) - log pi(l)), not 0
+    (mutation: a frozen agent's margin set to 0 whatever the reference, ``fixed`` without the dpo_reference test).
+
+    One pair (item 0: candidate 0 chosen, 1 rejected), dpo_beta .5, agent 1 frozen; the sequence log-probs are
+    fixed by hand: agent 0 [-1, -3], agent 1 [-4, -2]; the reference (dpo_reference 'initial') [-2, -2] for both.
+    'none': m_0 = .5 (-1 + 3) = 1, m_1 = .5 (-4 + 2) = -1, team 0: loss -log sigmoid(0) = log 2 = .6931472, margin 0;
+    agent 0's row weights d loss / d log pi_0: dloss = -(1 - 1/2) / 1 = -.5, chosen .5 x -.5 = -.25, rejected .25
+    (mutation: team 1, loss -log sigmoid(1) = .3132617, chosen weight -.5 (1 - .7310586) = -.1344707).
+    'initial': m_0 = .5 ((-1 + 2) - (-3 + 2)) = 1, m_1 = 0, team 1: loss .3132617, chosen weight -.1344707.
+    """
+    trainer = MADPOTrainer(
+        agents=demo_team,
+        train_dataset=demo.dataset(),
+        reward_func=_fixed_reward,
+        formatters=[demo.formatter(0), demo.formatter(1)],
+        args=MADPOConfig(
+            prompts_per_step=1,
+            num_generations=2,
+            max_new_tokens=2,
+            dpo_beta=0.5,
+            dpo_reference=dpo_reference,
+            frozen_agents=[1],
+            reward_call="batched",
+            progress_bar=False,
+            seed=0,
+        ),
+    )
+    logp = {0: torch.tensor([-1.0, -3.0]), 1: torch.tensor([-4.0, -2.0])}
+    trainer._sequence_logprobs = lambda i, gen, rows, model=None: (
+        logp[i][rows] if model is None else torch.tensor([-2.0, -2.0])[rows]
+    )
+    weights = {}
+
+    def dpo_step(i, gen, rows, weight):
+        weights[i] = weight.tolist()
+        return {}
+
+    trainer._dpo_step = dpo_step
+    ref = [torch.tensor([-2.0, -2.0])] * 2 if dpo_reference == "initial" else None
+    metrics = trainer.update_team([None, None], torch.tensor([[0, 0, 1]]), 2, ref)
+    assert list(weights) == [0]  # the frozen agent takes no step
+    if dpo_reference == "none":
+        assert metrics["margin"] == pytest.approx(0.0) and metrics["loss"] == pytest.approx(math.log(2))
+        assert weights[0] == pytest.approx([-0.25, 0.25])
+    else:
+        assert metrics["margin"] == pytest.approx(1.0) and metrics["loss"] == pytest.approx(0.3132617)
+        assert weights[0] == pytest.approx([-0.1344707, 0.1344707])
+    assert metrics["agent_0/margin"] == pytest.approx(1.0)
