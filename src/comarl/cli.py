@@ -170,7 +170,7 @@ def _demo(args: argparse.Namespace) -> int:
         f"joint success: {summary['success_before']:.1%} before training (sampled) -> "
         f"{summary['success_after']:.1%} after (greedy)"
     )
-    print("conventions the team settled on (open places -> alice's and bob's answers):")
+    print("the trained team's greedy answers in one city (open places -> alice's / bob's answer):")
     for places, answers in summary["conventions"].items():
         print(f"  {places:<18} -> {' / '.join(answers)}")
     print(f"run folder: {summary['run_dir']} (config.yaml, metrics.jsonl, plot.png, samples.jsonl, agents/)")
