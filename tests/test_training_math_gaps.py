@@ -80,18 +80,23 @@ def _fixed_reward(alice, bob, **_):
     return [1.0, 3.0, 0.0, 4.0][: len(alice)]
 
 
-def _actor_critic(
+def _demo_trainer(
     trainer_cls,
     demo_team,
     reward_func=_fixed_reward,
     transition=None,
-    critic_model=None,
     formatters=None,
+    critic_model=None,
     **settings,
 ):
-    """``trainer_cls`` (IAC or MAAC) on the demo game: one step of 2 prompts x 2 samples of 2 tokens, seeded,
-    unless ``settings`` say otherwise."""
-    config = {"IACTrainer": IACConfig, "MAACTrainer": MAACConfig}[trainer_cls.__name__]
+    """``trainer_cls`` (IAC, MAAC, MAGRPO, MADPO) on the demo game: one step of 2 prompts x 2 samples of 2 tokens,
+    seeded, unless ``settings`` say otherwise; ``critic_model`` for the actor-critics."""
+    config = {
+        "IACTrainer": IACConfig,
+        "MAACTrainer": MAACConfig,
+        "MAGRPOTrainer": MAGRPOConfig,
+        "MADPOTrainer": MADPOConfig,
+    }[trainer_cls.__name__]
     base = dict(max_steps=1, prompts_per_step=2, num_generations=2, max_new_tokens=2, reward_call="batched")
     return trainer_cls(
         agents=demo_team,
@@ -99,7 +104,7 @@ def _actor_critic(
         reward_func=reward_func,
         formatters=formatters or [demo.formatter(0), demo.formatter(1)],
         transition=transition,
-        critic_model=critic_model,
+        **({"critic_model": critic_model} if critic_model is not None else {}),
         args=config(**{**base, "progress_bar": False, "seed": 0, **settings}),
     )
 
@@ -137,7 +142,7 @@ def test_actor_critic_advantage_is_the_return_less_its_own_nodes_value(demo_team
     agent 1: mean 2, deviations [-2, 0, -1, 3], squares sum 14, std sqrt(14 / 3) = 2.1602469
     -> [-.9258201, 0, -.4629100, 1.3887301]. (Without the baseline, both agents would whiten [1, 3, 0, 4] alike.)
     """
-    trainer = _actor_critic(IACTrainer, demo_team, whiten_advantages=whiten_advantages)
+    trainer = _demo_trainer(IACTrainer, demo_team, whiten_advantages=whiten_advantages)
     assert trainer.value_heads is not None
     seen, calls = _capture_actor_inputs(trainer, torch.tensor([[0.5, 1.0], [2.0, -1.0]]))
     trainer.training_step(demo.dataset()[:2])
@@ -164,7 +169,7 @@ def test_actor_critic_targets_use_the_discount_as_gamma_and_gae_lambda_as_lambda
     + .125 V -> 1.75 and 2.25. The other tests use lambda = 1 with V = 0, where the swap gives the same numbers.)
     Advantages (whitening off) G - V[node]: [2.25, 3.75, 4 - 2, 4 - 2, 4 - 6, 4 - 6].
     """
-    trainer = _actor_critic(
+    trainer = _demo_trainer(
         IACTrainer,
         demo_team,
         reward_func=lambda a, b, prompts: [4.0 if p.startswith("again") else 1.0 for p in prompts[0]],
@@ -196,7 +201,7 @@ def test_q_critic_advantage_is_q_less_the_counterfactual_baseline_and_v_old_the_
     the joint actions -> 4 and 40). Targets: agent 0 [(1 + 3) / 2, (0 + 4) / 2] = [2, 2], agent 1
     [(1 + 0) / 2, (3 + 4) / 2] = [.5, 3.5].
     """
-    trainer = _actor_critic(
+    trainer = _demo_trainer(
         MAACTrainer,
         demo_team,
         prompts_per_step=1,
@@ -230,7 +235,7 @@ def test_value_head_loss_is_value_coef_times_the_mini_batch_mean(demo_team, valu
     """
     from comarl.engines import HFEngine, SamplingParams
 
-    trainer = _actor_critic(
+    trainer = _demo_trainer(
         IACTrainer, demo_team, value_coef=0.5, value_clip=value_clip, micro_batch_size=1, max_grad_norm=None
     )
     head, agent = trainer.value_heads[0], trainer.team[0]
@@ -265,7 +270,7 @@ def test_a_separate_critic_clips_its_values_like_the_value_head(demo_team, value
     row 1: max(1, (.3 + 1)^2 = 1.69) = 1.69 through the saturated clamp, gradient 0. Metric (.5 + .845) / 2 = .6725,
     d/d bias = (-1 + 0) / 2 = -.5.
     """
-    trainer = _actor_critic(
+    trainer = _demo_trainer(
         IACTrainer, demo_team, critic_model=demo_team[0], value_clip=value_clip, max_grad_norm=None
     )
     critic = trainer.critics[0]
@@ -294,7 +299,7 @@ def test_ppo_mini_batches_of_one_epoch_keep_the_behaviour_log_probs(demo_team, m
     """
     import comarl.trainers.actor_critic as actor_critic
 
-    trainer = _actor_critic(IACTrainer, demo_team, num_mini_batches=2, learning_rate=1e-2)
+    trainer = _demo_trainer(IACTrainer, demo_team, num_mini_batches=2, learning_rate=1e-2)
     seen, surrogate = [], actor_critic.clipped_surrogate
 
     def spy(logprobs, old_logprobs, *args, **kwargs):
@@ -318,7 +323,7 @@ def test_approx_kl_metric_is_k3_of_the_sampler_against_the_new_policy(demo_team)
     """
     from comarl.engines import HFEngine, SamplingParams
 
-    trainer = _actor_critic(IACTrainer, demo_team, num_iterations=2)
+    trainer = _demo_trainer(IACTrainer, demo_team, num_iterations=2)
     logprobs, step = trainer._logprobs, trainer._step
     trainer._logprobs = lambda i, gen, batches, model=None: logprobs(i, gen, batches, model) + 0.5
 
@@ -344,7 +349,7 @@ def test_each_ppo_mini_batch_is_normalised_by_its_own_size(demo_team, aggregatio
     """
     from comarl.engines import HFEngine, SamplingParams
 
-    trainer = _actor_critic(IACTrainer, demo_team, num_mini_batches=2, loss_aggregation=aggregation)
+    trainer = _demo_trainer(IACTrainer, demo_team, num_mini_batches=2, loss_aggregation=aggregation)
     step = trainer._step
 
     def no_move(optimizer, parameters, head):
@@ -395,7 +400,7 @@ def test_actor_critic_schedule_spans_every_mini_batch_step(demo_team):
     max_steps 2, num_iterations 1, num_mini_batches 2: total 4, factor(s) = 1 - s / 4 -> [1, .75, .5, .25, 0]
     (mutation: total 2 -> [1, .5, 0, 0, 0]).
     """
-    trainer = _actor_critic(
+    trainer = _demo_trainer(
         IACTrainer, demo_team, max_steps=2, num_mini_batches=2, lr_scheduler_type="linear"
     )
     for scheduler in trainer.schedulers:
@@ -594,7 +599,7 @@ def test_actor_critic_kl_in_the_loss_adds_beta_times_k3(demo_team):
     """
     from comarl.engines import HFEngine, SamplingParams
 
-    trainer = _actor_critic(IACTrainer, demo_team, beta=0.1, kl_penalty="loss")
+    trainer = _demo_trainer(IACTrainer, demo_team, beta=0.1, kl_penalty="loss")
     assert trainer.references is not None
     _reference_shifted(trainer, 0.5)
     gen = HFEngine().generate(trainer.team[0], ["alice and bob"], 2, SamplingParams(max_new_tokens=2))
@@ -613,7 +618,7 @@ def test_actor_critic_kl_in_the_reward_is_not_also_in_the_loss(demo_team):
     """
     from comarl.engines import HFEngine, SamplingParams
 
-    trainer = _actor_critic(IACTrainer, demo_team, beta=0.1, kl_penalty="reward")
+    trainer = _demo_trainer(IACTrainer, demo_team, beta=0.1, kl_penalty="reward")
     _reference_shifted(trainer, 0.5)
     gen = HFEngine().generate(trainer.team[0], ["alice and bob"], 2, SamplingParams(max_new_tokens=2))
     zeros = torch.zeros(2)
@@ -641,24 +646,16 @@ def test_magrpo_kl_penalty_in_the_reward_is_discounted_down_the_tree(demo_team, 
     the mean penalty, .2 x 1 = .2.
     """
     _two_turns_kl_one(monkeypatch)
-    trainer = MAGRPOTrainer(
-        agents=demo_team,
-        train_dataset=demo.dataset(),
+    trainer = _demo_trainer(
+        MAGRPOTrainer,
+        demo_team,
         reward_func=_zero_reward,
-        formatters=[demo.formatter(0), demo.formatter(1)],
         transition=lambda item, completions, history: ["again", "again"],
-        args=MAGRPOConfig(
-            prompts_per_step=1,
-            num_generations=2,
-            max_new_tokens=2,
-            num_turns=2,
-            discount=0.5,
-            beta=0.2,
-            kl_penalty="reward",
-            reward_call="batched",
-            progress_bar=False,
-            seed=0,
-        ),
+        prompts_per_step=1,
+        num_turns=2,
+        discount=0.5,
+        beta=0.2,
+        kl_penalty="reward",
     )
     rollout = trainer._collect(demo.dataset()[:1])
     assert rollout.child.tolist() == [[1, 2], [-1, -1], [-1, -1]]  # the tree the numbers assume
@@ -680,7 +677,7 @@ def test_actor_critic_value_targets_are_the_kl_penalised_returns(demo_team, monk
     with V = 0 and whitening off the advantages are the same numbers.
     """
     _two_turns_kl_one(monkeypatch)
-    trainer = _actor_critic(
+    trainer = _demo_trainer(
         IACTrainer,
         demo_team,
         prompts_per_step=1,
@@ -723,7 +720,7 @@ def test_value_heads_read_each_nodes_own_prompt(demo_team, monkeypatch):
     import comarl.trainers.actor_critic as actor_critic
 
     prompts = ["where will you meet", "where will you meet where will you meet"]
-    trainer = _actor_critic(
+    trainer = _demo_trainer(
         IACTrainer,
         demo_team,
         formatters=[lambda item: item["prompt"]] * 2,
@@ -746,7 +743,7 @@ def test_a_separate_critic_regresses_on_the_returns_not_the_advantages(demo_team
     its joint actions: node 0 (1 + 3) / 2 = 2, node 1 (0 + 4) / 2 = 2, for both agents: [[2], [2]]
     (mutation: agent 0 [[2 - .5], [2 - 2]] = [[1.5], [0]], agent 1 [[1], [3]]); the old values are V's column.
     """
-    trainer = _actor_critic(IACTrainer, demo_team, critic_model=demo_team[0])
+    trainer = _demo_trainer(IACTrainer, demo_team, critic_model=demo_team[0])
     assert trainer.value_heads is None and len(trainer.critics) == 2
     critic_calls = {}
 
@@ -773,23 +770,7 @@ def test_centralized_critic_loss_is_the_mean_over_its_outputs(demo_team):
     (mutation: (5 + 1) / 2 = 3). d/d bias_j = sum_s (1/2) (V - y)_sj / 2: j = 0: (-1 + 1) / 4 = 0,
     j = 1: (-3 - 1) / 4 = -1 (mutation: 0 and -2).
     """
-    trainer = MAACTrainer(
-        agents=demo_team,
-        train_dataset=demo.dataset(),
-        reward_func=_fixed_reward,
-        formatters=[demo.formatter(0), demo.formatter(1)],
-        critic_model=demo_team[0],
-        args=MAACConfig(
-            max_steps=1,
-            prompts_per_step=2,
-            num_generations=2,
-            max_new_tokens=2,
-            reward_call="batched",
-            max_grad_norm=None,
-            progress_bar=False,
-            seed=0,
-        ),
-    )
+    trainer = _demo_trainer(MAACTrainer, demo_team, critic_model=demo_team[0], max_grad_norm=None)
     critic = trainer.critics[0]
     assert critic.head.linear.out_features == 2
     grads, step = [], trainer._step
@@ -822,22 +803,13 @@ def test_madpo_frozen_agents_margin_counts_in_the_team_without_a_reference(demo_
     (mutation: team 1, loss -log sigmoid(1) = .3132617, chosen weight -.5 (1 - .7310586) = -.1344707).
     'initial': m_0 = .5 ((-1 + 2) - (-3 + 2)) = 1, m_1 = 0, team 1: loss .3132617, chosen weight -.1344707.
     """
-    trainer = MADPOTrainer(
-        agents=demo_team,
-        train_dataset=demo.dataset(),
-        reward_func=_fixed_reward,
-        formatters=[demo.formatter(0), demo.formatter(1)],
-        args=MADPOConfig(
-            prompts_per_step=1,
-            num_generations=2,
-            max_new_tokens=2,
-            dpo_beta=0.5,
-            dpo_reference=dpo_reference,
-            frozen_agents=[1],
-            reward_call="batched",
-            progress_bar=False,
-            seed=0,
-        ),
+    trainer = _demo_trainer(
+        MADPOTrainer,
+        demo_team,
+        prompts_per_step=1,
+        dpo_beta=0.5,
+        dpo_reference=dpo_reference,
+        frozen_agents=[1],
     )
     logp = {0: torch.tensor([-1.0, -3.0]), 1: torch.tensor([-4.0, -2.0])}
     trainer._sequence_logprobs = lambda i, gen, rows, model=None: (
