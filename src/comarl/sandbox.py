@@ -210,21 +210,10 @@ def _probe(network: bool) -> Isolation:
     interpreters = list(dict.fromkeys(p for p in interpreters if p))
     uid: int | None = None
     python = interpreters[0]
-    if os.geteuid() != 0:
-        # Checked bare first: an interpreter that cannot run here would make every namespace probe fail too, and
-        # the runs would then fail to start with no isolation reported as the cause.
-        python = next((p for p in interpreters if _runs([], p, None)), "")
-        if not python:
-            raise RuntimeError(
-                f"comarl.sandbox: none of the Python interpreters {interpreters} runs a program in a fresh "
-                f"temporary directory as this user (uid {os.geteuid()}): make one of them executable and readable "
-                "by this user (a virtual environment under another user's home often is not), or install python3 "
-                "system-wide"
-            )
     if os.geteuid() == 0:
-        usable = [p for p in interpreters if _runs([], p, NOBODY)]
-        if usable:
-            uid, python = NOBODY, usable[0]
+        usable = next((p for p in interpreters if _runs([], p, NOBODY)), None)
+        if usable is not None:
+            uid, python = NOBODY, usable
         else:
             warnings.warn(
                 "comarl.sandbox: the trainer runs as root and no Python interpreter is usable by 'nobody', so "
@@ -232,6 +221,18 @@ def _probe(network: bool) -> Isolation:
                 "trainer as an ordinary user, or install python3 system-wide.",
                 stacklevel=3,
             )
+    else:
+        # Checked bare first: an interpreter that cannot run here would make every namespace probe fail too, and
+        # the runs would then fail to start with no isolation reported as the cause.
+        usable = next((p for p in interpreters if _runs([], p, None)), None)
+        if usable is None:
+            raise RuntimeError(
+                f"comarl.sandbox: none of the Python interpreters {interpreters} runs a program in a fresh "
+                f"temporary directory as this user (uid {os.geteuid()}): make one of them executable and readable "
+                "by this user (a virtual environment under another user's home often is not), or install python3 "
+                "system-wide"
+            )
+        python = usable
     net = () if network else ("--net",)
     candidates = [
         (
