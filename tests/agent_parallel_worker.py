@@ -18,7 +18,13 @@ from comarl.distributed import finish
 from comarl.trainers.preference import reward_scores
 
 sys.path.insert(0, os.path.dirname(__file__))
-from test_distributed import DATA, run_args, second_turn_for_the_first, two_word_reward  # noqa: E402
+from test_distributed import (  # noqa: E402
+    DATA,
+    candidate_texts,
+    run_args,
+    second_turn_for_the_first,
+    two_word_reward,
+)
 
 
 def main() -> None:
@@ -79,9 +85,7 @@ def run(spec: dict) -> None:
     }
     candidates = getattr(trainer, "candidates", None)  # MADPO's candidates of the initial team
     if candidates is not None:
-        result["candidates"] = [sorted(g.completions for g in c["generations"].values()) for c in candidates]
-        if trainer.processes.rank == 0:
-            torch.save(candidates, os.path.join(spec["output_dir"], "candidates.pt"))
+        result["candidates"] = candidate_texts(candidates)
     with open(os.path.join(spec["output_dir"], f"rank_{trainer.processes.rank}.json"), "w") as f:
         json.dump(result, f)
 

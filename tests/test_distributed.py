@@ -34,14 +34,13 @@ def second_turn_for_the_first(item, completions, history):
 
 
 def run_args(**kw) -> dict:
-    # top_k=1: sampling is the argmax, so data shards (which draw from streams of their own) see the same
-    # completions as one process; MAREINFORCE's raw-return advantages are non-zero without sampling noise (and
-    # those of a centred baseline are 0: every group's samples are equal).
+    # Real sampling (top_k=None): train() draws item j of step s from streams keyed (seed, j, s) alone, so processes
+    # and data shards sample what one process samples.
     base = dict(
         prompts_per_step=2,
         num_generations=2,
         max_new_tokens=5,
-        top_k=1,
+        top_k=None,
         learning_rate=1e-3,
         max_steps=2,
         progress_bar=False,
@@ -92,6 +91,11 @@ def assert_saved_agents_compute(out: Path, single) -> None:
         ids = ids.to(agent.device)
         with torch.no_grad():
             assert torch.allclose(loaded(**ids).logits, agent.model(**ids).logits, atol=1e-5), i
+
+
+def candidate_texts(candidates: list[dict]) -> list[list[list[str]]]:
+    """MADPO's cached candidates of the initial team as texts: per item, the completions of each agent held."""
+    return [sorted(g.completions for g in c["generations"].values()) for c in candidates]
 
 
 def failure(stderr: str) -> str:
@@ -191,17 +195,18 @@ RESUME_CASES = [
 ]
 MADPO_CANDIDATES = ["current", "initial"]
 MARLHF_LAUNCHES = ["data", "agent", "grid"]
-MADPO_DATA = {"prompts_per_step": 4, "num_generations": 4, "top_k": None, "beta": 0.0}
-MADPO_DATA_SAMPLING = {
+MADPO_DATA = {"prompts_per_step": 4, "num_generations": 4, "beta": 0.0}
+MADPO_DATA_SAMPLING = {  # random pairs: each item's from a stream keyed by its seed
     "prompts_per_step": 4,
     "num_generations": 4,
-    "top_k": None,
     "candidates_from": "current",
-    "shard_weights": True,
+    "pair_selection": "random",
+    "preference_pairs_per_sample": 2,
 }
 MARLHF_SETTINGS = {
     "prompts_per_step": 4,
-    "top_k": None,
+    "pair_selection": "random",
+    "preference_pairs_per_sample": 2,
     "preference_num_candidates": 4,
     "reward_learning_rate": 1e-3,
     "reward_train_batch_size": 8,
@@ -211,12 +216,12 @@ RESUME_SCHEDULE = {"beta": 0.05, "warmup_steps": 3}  # the learning rate changes
 
 
 def two_process_run(trainer: str, overrides: dict) -> dict:
-    # real sampling (top_k=None), and a checkpoint at the last step
-    return run_spec(trainer, {"top_k": None, **overrides, "save_steps": 2})
+    # a checkpoint at the last step
+    return run_spec(trainer, {**overrides, "save_steps": 2})
 
 
 def madpo_run(candidates_from: str) -> dict:
-    overrides = {"top_k": None, "num_generations": 4, "candidates_from": candidates_from, "save_steps": 2}
+    overrides = {"num_generations": 4, "candidates_from": candidates_from, "save_steps": 2}
     return run_spec("MADPO", overrides)
 
 
@@ -254,7 +259,7 @@ LAUNCHES: dict[str, tuple[int, list[list[dict]]]] = {  # kind: (processes, its l
             [
                 *(data_shard_run(trainer, overrides) for trainer, overrides in DATA_SHARD_CASES),
                 run_spec("MADPO", {**MADPO_DATA, "save_steps": 2}, "data"),
-                run_spec("MADPO", MADPO_DATA_SAMPLING, "data"),
+                run_spec("MADPO", {**MADPO_DATA_SAMPLING, "shard_weights": True}, "data"),
                 marlhf_run("data"),
             ]
         ],
@@ -303,7 +308,7 @@ def test_two_processes_train_what_one_process_trains(
     """Same rewards, per-agent (and critic) metrics, evaluation and saved weights as one process, with real
     sampling: every agent draws from its own generator, in one process or in its own."""
     agents = [qwen_bpe, llama_word]
-    single, expected = one_process_run(trainer, agents, top_k=None, **overrides)
+    single, expected = one_process_run(trainer, agents, **overrides)
     expected_eval = single.evaluate()
 
     ranks, out = launched("agent", two_process_run(trainer, overrides))
@@ -396,8 +401,9 @@ def test_madpo_in_two_processes_exchanges_margins(launched, candidates_from):
 def test_two_data_shards_train_what_one_process_trains(
     qwen_bpe, llama_word, launched, trainer, overrides, one_thread
 ):
-    """data_parallel: each process takes half of every step's prompts; the summed gradients, the metrics of the
-    whole batch and the saved agents equal one process's run on all the prompts."""
+    """data_parallel: each process takes half of every step's prompts; it samples what one process samples for them
+    (real sampling), and the summed gradients, the metrics of the whole batch and the saved agents equal one
+    process's run on all the prompts."""
     agents = [qwen_bpe, llama_word]
     one_process = {k: v for k, v in overrides.items() if k not in ("shard_optimizer", "shard_weights")}
     single, expected = one_process_run(trainer, agents, prompts_per_step=4, max_steps=2, **one_process)
@@ -437,9 +443,9 @@ def test_two_data_shards_train_what_one_process_trains(
 @pytest.mark.slow
 @pytest.mark.xdist_group("data")
 def test_madpo_data_shards_train_what_one_process_trains(qwen_bpe, llama_word, launched, one_thread):
-    """MADPO under data_parallel: each process samples the initial team's candidates for half of the dataset and
-    then holds them all; a step's pairs come from each process's items, the DPO loss is the mean over every
-    process's pairs. Given the same candidates, one process trains the same team."""
+    """MADPO under data_parallel: each process samples the initial team's candidates for half of the dataset, the
+    ones one process samples, and then holds them all; a step's pairs come from each process's items, the DPO loss
+    is the mean over every process's pairs. One process trains the same team."""
     agents = [qwen_bpe, llama_word]
     ranks, out = launched("data", run_spec("MADPO", {**MADPO_DATA, "save_steps": 2}, "data"))
     assert ranks[0]["candidates"] == ranks[1]["candidates"]  # every process holds every item's candidates
@@ -450,8 +456,8 @@ def test_madpo_data_shards_train_what_one_process_trains(qwen_bpe, llama_word, l
         reward_func=two_word_reward,
         args=comarl.MADPOConfig(**run_args(**MADPO_DATA)),
     )
-    single.candidates = torch.load(out / "candidates.pt", weights_only=False)
     expected = single.train()
+    assert candidate_texts(single.candidates) == ranks[0]["candidates"]
     assert expected["pairs"] > 0 and expected["agent_1/margin"] != 0
     assert_metrics_equal(ranks, expected)
     assert_saved_agents_compute(out, single)
@@ -459,11 +465,11 @@ def test_madpo_data_shards_train_what_one_process_trains(qwen_bpe, llama_word, l
 
 @pytest.mark.slow
 @pytest.mark.xdist_group("data")
-def test_madpo_data_shards_sampling_every_step_stay_in_step(launched):
-    """candidates_from='current': each process samples its own items every step; both report the whole batch's
-    metrics and keep the same weights. Here each process holds half of every agent and of its DPO reference
-    (shard_weights)."""
-    ranks, _ = launched("data", run_spec("MADPO", MADPO_DATA_SAMPLING, "data"))
+def test_madpo_data_shards_sampling_every_step_stay_in_step(qwen_bpe, llama_word, launched, one_thread):
+    """candidates_from='current': each process samples its own items every step, as one process samples them, and
+    picks their random pairs as one process does; both report the whole batch's metrics, one process's, and keep
+    the same weights. Here each process holds half of every agent and of its DPO reference (shard_weights)."""
+    ranks, _ = launched("data", run_spec("MADPO", {**MADPO_DATA_SAMPLING, "shard_weights": True}, "data"))
     first, second = ranks
     assert first["metrics"]["pairs"] > 0
     for key in ("pairs", "candidates/reward", "loss", "margin", "agent_0/margin", "agent_1/grad_norm"):
@@ -472,6 +478,8 @@ def test_madpo_data_shards_sampling_every_step_stay_in_step(launched):
     assert first["metrics"]["agent_0/margin"] != 0
     for i in ("0", "1"):
         assert first["held"][i] + second["held"][i] == first["parameters"][i] and second["held"][i] > 0
+    _, expected = one_process_run("MADPO", [qwen_bpe, llama_word], max_steps=2, **MADPO_DATA_SAMPLING)
+    assert_metrics_equal(ranks, expected)
 
 
 @pytest.mark.slow
@@ -496,6 +504,7 @@ def test_marlhf_processes_fit_the_reward_model_one_process_fits(
         reward_func=two_word_reward,
         args=comarl.MARLHFConfig(**run_args(**MARLHF_SETTINGS)),
     )
+    assert list(single._preference_texts()) == texts  # the pairs one process samples and picks (JSON: a list)
     expected = single.fit_reward_model(pairs=texts)
     scores = reward_scores(single.reward_model, texts[0] + texts[1]).tolist()
     P = len(texts[0])

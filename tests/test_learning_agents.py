@@ -76,9 +76,9 @@ def test_alternating_agents_take_turns(qwen_bpe, llama_word):
     learners = []
     step = trainer.training_step
 
-    def recorded(items):
+    def recorded(items, seeds):
         learners.append(trainer.learning_agents())
-        out = step(items)
+        out = step(items, seeds)
         snapshots.append([_weights(a) for a in trainer.team])
         return out
 

@@ -119,7 +119,7 @@ def test_running_out_of_memory_in_a_step_names_the_fields_to_turn_down(qwen_bpe,
     """The check counts static memory only: a step whose activations do not fit gets torch's error with the fixes."""
     trainer = MAGRPOTrainer(model=qwen_bpe, num_agents=2, train_dataset=DATA, reward_func=reward, args=args())
 
-    def too_big(items):
+    def too_big(items, seeds):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 20.00 GiB")
 
     monkeypatch.setattr(trainer, "training_step", too_big)

@@ -22,9 +22,7 @@ class CountingEngine:
     def __init__(self) -> None:
         self.calls: list[tuple[str, int]] = []
 
-    def generate(
-        self, agent, prompts, num_generations, params
-    ):  # no seeds=: engines need them only to evaluate
+    def generate(self, agent, prompts, num_generations, params, seeds=None):
         self.calls.append((agent.name, len(prompts)))
         rows = len(prompts) * num_generations
         texts = [f"{agent.name}s{j}" for _ in prompts for j in range(num_generations)]
@@ -84,6 +82,43 @@ def test_tree_shapes_and_batched_calls(joint_mode, max_children, nodes_per_turn)
     assert engine.calls == [(f"a{i}", 2 * n) for n in nodes_per_turn for i in range(2)]
     assert rollout.generations[0].completion_ids.shape[0] == 2 * nodes_per_item * 3
     assert rollout.returns[1].shape == (2 * nodes_per_item, 3)
+
+
+def _tree(rollout, node):
+    """Node ``node``'s scored joint actions, each with the subtree it leads to (None: not expanded)."""
+    return [
+        (joint.tolist(), None if int(child) < 0 else _tree(rollout, int(child)))
+        for joint, child in zip(rollout.joint_index[node], rollout.child[node])
+    ]
+
+
+def test_a_seeded_item_picks_its_joint_actions_and_branches_alone():
+    """With seeds, a node draws the cross joint actions it scores (max_joint_actions) and the branches it expands
+    (max_children) from a stream of its own: an item's tree is the same alone or after another item, as it is in
+    one process or in a data shard. From the call's shared stream it depends on the items before it."""
+
+    def trees(items, seeds):
+        rollout = collect(
+            env_with(always_continue),
+            fake_agents(2),
+            items,
+            engine=CountingEngine(),
+            num_generations=3,
+            params=[SamplingParams()] * 2,
+            joint_mode="cross",
+            max_joint_actions=5,  # the 3 aligned + 2 of the 6 others
+            num_turns=3,
+            max_children=2,
+            generator=torch.Generator().manual_seed(0),
+            seeds=seeds,
+        )
+        return [_tree(rollout, b) for b in range(len(items))]
+
+    alone = trees(ITEMS[:1], [7])[0]
+    assert len(alone) == 5 and sum(child is not None for _, child in alone) == 2
+    assert trees([ITEMS[1], ITEMS[0]], [8, 7])[1] == alone
+    assert trees(ITEMS[:1], [8])[0] != alone
+    assert trees([ITEMS[1], ITEMS[0]], None)[1] != trees(ITEMS[:1], None)[0]
 
 
 def test_reward_calls_per_turn_batched_and_per_joint_action():

@@ -67,6 +67,16 @@ def test_preference_pairs_by_hand():
     assert len(picked) == 4 and all(p in every for p in picked)
     assert [p[0] for p in picked] == [0, 0, 2, 2]
     assert picked == preference_pairs(rewards, 2, "random", torch.Generator().manual_seed(0)).tolist()
+    # One stream per item: item b's pairs are those it gets alone from its stream, whatever comes before it
+    # (3 of 6 eligible pairs in the stream's order: 120 possible picks).
+    ranked = torch.tensor([[0.0, 1.0, 2.0, 3.0]] * 3)
+    seeded = preference_pairs(ranked, 3, "random", [torch.Generator().manual_seed(s) for s in (3, 4, 5)])
+    alone = preference_pairs(ranked[2:], 3, "random", [torch.Generator().manual_seed(5)])
+    assert seeded[6:, 1:].tolist() == alone[:, 1:].tolist() and seeded[6:, 0].tolist() == [2, 2, 2]
+    with pytest.raises(
+        ValueError, match=r"^preference_pairs: 2 generators for 3 items; pass one per item, or one$"
+    ):
+        preference_pairs(rewards, 1, "random", [torch.Generator(), torch.Generator()])
     assert preference_pairs(torch.ones(2, 3), None, "reward_gap").shape == (0, 3)
     with pytest.raises(ValueError, match="selection='best'"):
         preference_pairs(rewards, 2, "best")

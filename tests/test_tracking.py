@@ -242,7 +242,7 @@ def test_comlrl_wandb_config_logs_to_wandb(qwen_bpe, tmp_path, monkeypatch):
     assert len(rows) == 2 and rows[0][0] == 1 and len(json.loads(rows[0][2])) == 2  # two agents' completions
     # a run that crashes is finished as failed (exit code 1), not shown as finished
     crashing = _sink_trainer(qwen_bpe, wandb_config={"project": "team"})
-    crashing.training_step = lambda items: 1 / 0
+    crashing.training_step = lambda items, seeds: 1 / 0
     with pytest.raises(Exception, match="division by zero"):
         crashing.train()
     assert calls[-1] == ("finish", 1)

@@ -496,9 +496,9 @@ def test_lr_schedule_warmup_then_cosine(qwen_bpe):
         args=small_args(max_steps=4, warmup_steps=1, lr_scheduler_type="cosine", learning_rate=1e-3),
     )
     lrs = []
-    for items in trainer._batches():
+    for items, seeds in trainer._batches():
         trainer.step += 1
-        metrics, _ = trainer.training_step(items)
+        metrics, _ = trainer.training_step(items, seeds)
         lrs.append(metrics["agent_0/lr"])
     # factor(s): warmup s=0 -> 1/2; then cosine over 3 steps: s=1 -> 1, s=2 -> 0.75, s=3 -> 0.25. The metric is the
     # rate each update used (read after the schedule's step it was the next one's: 1, 0.75, 0.25, 0).
@@ -518,9 +518,9 @@ def test_alternating_agents_each_take_their_whole_schedule_over_their_own_turns(
         ),
     )
     lrs: dict[str, list[float]] = {"agent_0/lr": [], "agent_1/lr": []}
-    for items in trainer._batches():
+    for items, seeds in trainer._batches():
         trainer.step += 1
-        metrics, _ = trainer.training_step(items)
+        metrics, _ = trainer.training_step(items, seeds)
         for key, seen in lrs.items():
             if key in metrics:
                 seen.append(metrics[key])

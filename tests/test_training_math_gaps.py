@@ -113,8 +113,8 @@ def _capture_actor_inputs(trainer, values):
     """Fix the critic's values, skip the updates; returns (the rollout holder, agent -> (A, targets, V_old))."""
     collect, seen, calls = trainer._collect, {}, {}
 
-    def collecting(items):
-        seen["rollout"] = collect(items)
+    def collecting(items, seeds=None):
+        seen["rollout"] = collect(items, seeds)
         return seen["rollout"]
 
     def update_actor(i, gen, advantages, value_targets, old_values):

@@ -9,6 +9,8 @@ Shapes: ``B`` sequences, ``T`` completion tokens (right-padded), ``V`` vocabular
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from comarl.choices import AGGREGATIONS, BASELINES, CENTRED_BASELINES, PAIR_SELECTIONS, SCALES
@@ -396,19 +398,25 @@ def preference_pairs(
     rewards: torch.Tensor,
     max_pairs: int | None,
     selection: str = "reward_gap",
-    generator: torch.Generator | None = None,
+    generator: torch.Generator | Sequence[torch.Generator] | None = None,
 ) -> torch.Tensor:
     """Preference pairs among the ``K`` candidates of each of ``B`` items: ``[P, 3]`` rows ``(item, chosen, rejected)``.
 
     ``rewards [B, K]`` are the team rewards of the candidates. Every ordered pair with
     ``r[chosen] > r[rejected]`` is eligible (ties give no preference and are dropped). Per item:
     ``"reward_gap"`` keeps the ``max_pairs`` with the largest gap (ties in the gap: the first in
-    ``(chosen, rejected)`` order), ``"random"`` a uniform sample of ``max_pairs`` (``generator``), ``"all"``
-    every eligible pair (``max_pairs`` ignored). Items come in order; ``max_pairs=None`` keeps all.
+    ``(chosen, rejected)`` order), ``"random"`` a uniform sample of ``max_pairs`` (from ``generator``, or
+    ``generator[b]`` for item b when it is one stream per item), ``"all"`` every eligible pair (``max_pairs``
+    ignored). Items come in order; ``max_pairs=None`` keeps all.
     """
     if selection not in PAIR_SELECTIONS:
         raise ValueError(f"preference_pairs: selection={selection!r}, choose one of {list(PAIR_SELECTIONS)}")
     B, K = rewards.shape
+    streams = generator if isinstance(generator, Sequence) else [generator] * B
+    if len(streams) != B:
+        raise ValueError(
+            f"preference_pairs: {len(streams)} generators for {B} items; pass one per item, or one"
+        )
     chosen, rejected = torch.meshgrid(torch.arange(K), torch.arange(K), indexing="ij")
     chosen, rejected = chosen.flatten(), rejected.flatten()
     rows = []
@@ -419,7 +427,7 @@ def preference_pairs(
         if selection == "reward_gap":
             keep = keep[torch.sort(gap[keep], descending=True, stable=True).indices]
         elif selection == "random":
-            keep = keep[torch.randperm(keep.numel(), generator=generator)]
+            keep = keep[torch.randperm(keep.numel(), generator=streams[b])]
         if selection != "all" and max_pairs is not None:
             keep = keep[:max_pairs]
         rows.append(torch.stack([torch.full_like(keep, b), chosen[keep], rejected[keep]], dim=1))

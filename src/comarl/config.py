@@ -143,7 +143,10 @@ class MAGRPOConfig:
         default=2048,
     )
     shuffle: bool = _help("Reshuffle the dataset every epoch (seeded).", default=True)
-    seed: int = _help("Seed for model init, sampling, data order and joint-action sampling.", default=42)
+    seed: int = _help(
+        "Seed for model init, data order and sampling: item j of step s samples from streams keyed (seed, j, s).",
+        default=42,
+    )
 
     # --- optimizer
     learning_rate: float = _help(

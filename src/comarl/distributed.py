@@ -110,10 +110,7 @@ class AgentParallel(Processes):
     ) -> list[Any]:
         """This rank generates for its agent (sampling by ``params[rank]``, from ``seeds[rank]`` when given); every
         rank receives every agent's ``Generation`` (on the CPU)."""
-        from comarl.engines import generate
-
-        own = generate(
-            engine,
+        own = engine.generate(
             agents[self.rank],
             prompts[self.rank],
             num_generations,

@@ -166,21 +166,6 @@ class HFEngine:
         )
 
 
-def generate(
-    engine: Engine,
-    agent: Agent,
-    prompts: Sequence[Prompt],
-    num_generations: int,
-    params: SamplingParams,
-    seeds: Sequence[int] | None = None,
-) -> Generation:
-    """``engine.generate``, passing ``seeds=`` only when there are seeds: an engine without seeded sampling (an
-    older ``generate(agent, prompts, num_generations, params)``) still trains; only seeded evaluation needs it."""
-    if seeds is None:
-        return engine.generate(agent, prompts, num_generations, params)
-    return engine.generate(agent, prompts, num_generations, params, seeds=seeds)
-
-
 def completion_mask(completion_ids: torch.Tensor, eos_token_ids: list[int]) -> torch.Tensor:
     """1 for every generated token up to and including the first EOS, 0 after it.
 

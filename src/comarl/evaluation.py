@@ -29,7 +29,7 @@ import torch
 
 from comarl.agents import Agent
 from comarl.config import ConfigError
-from comarl.engines import Engine, HFEngine, SamplingParams, generate, stream_seed
+from comarl.engines import Engine, HFEngine, SamplingParams, stream_seed
 from comarl.envs import Env
 from comarl.rollout import Rollout, agent_seed, collect, independent_episodes
 from comarl.tracking import json_ready  # the one rule for NaN in JSON output, shared with metrics.jsonl
@@ -318,8 +318,7 @@ def play_pipeline(
         episode = env.fork()
         observations = episode.reset(item)
         episodes.append((episode, observations))
-    first = generate(
-        engine,
+    first = engine.generate(
         agents[0],
         [obs[0] for _, obs in episodes],
         num_samples,
@@ -332,8 +331,7 @@ def play_pipeline(
         for b, item in enumerate(items)
         for j in range(num_samples)
     ]
-    second = generate(
-        engine,
+    second = engine.generate(
         agents[1],
         second_prompts,
         1,

@@ -13,7 +13,7 @@ import torch
 
 from comarl.agents import Agent
 from comarl.algorithms import cross_returns
-from comarl.engines import Engine, Generation, SamplingParams, concat_generations, generate, stream_seed
+from comarl.engines import Engine, Generation, SamplingParams, concat_generations, stream_seed
 from comarl.envs import Env, StepResult, short_repr
 
 if TYPE_CHECKING:
@@ -119,8 +119,8 @@ def generate_all(
         (agent, prompts[i], params[i], None if seeds is None else seeds[i]) for i, agent in enumerate(agents)
     ]
     if pool is None:
-        return [generate(engine, a, p, num_generations, sp, s) for a, p, sp, s in jobs]
-    futures = [pool.submit(generate, engine, a, p, num_generations, sp, s) for a, p, sp, s in jobs]
+        return [engine.generate(a, p, num_generations, sp, s) for a, p, sp, s in jobs]
+    futures = [pool.submit(engine.generate, a, p, num_generations, sp, s) for a, p, sp, s in jobs]
     return [f.result() for f in futures]
 
 
@@ -135,8 +135,14 @@ def independent_episodes(
 
 def agent_seed(node_seed: int, agent: int) -> int:
     """The stream ``agent`` draws a node's completions from: keys (node seed, 0, agent), apart from its children's
-    node seeds (node seed, 1, joint action)."""
+    node seeds (node seed, 1, joint action) and its :func:`pick_stream` (node seed, 2)."""
     return stream_seed(node_seed, 0, agent)
+
+
+def pick_stream(node_seed: int) -> torch.Generator:
+    """The stream a seeded node draws its scored joint actions (``max_joint_actions``) and its expanded branches
+    (``max_children``) from, in that order: keys (node seed, 2)."""
+    return torch.Generator().manual_seed(stream_seed(node_seed, 2))
 
 
 def keep_in_step(
@@ -189,10 +195,11 @@ def collect(
     Turn by turn, every node of every item (siblings included) is generated in one batched call
     per agent, agent i sampling by ``params[i]``, from its own stream (``agent.generator``) or, with ``seeds``
     (one per item), from streams fixed by the item's seed, the node's place in its tree and the agent: an item's
-    completions are then the same whatever other items share the call (evaluation at any batch size). Which joint
-    actions are scored (``joint_mode='cross'`` with ``max_joint_actions``) and which get children
-    (``max_children``) are still drawn from ``generator``, shared by the call's items. Each node's joint actions go to the environment in one ``step_many``; a joint
-    action whose episode is not done gets a child node for the next turn, unless the turn limit
+    completions are then the same whatever other items share the call (evaluation at any batch size, training in
+    any process layout). Which joint actions are scored (``joint_mode='cross'`` with ``max_joint_actions``) and
+    which get children (``max_children``) are drawn from ``generator``, shared by the call's items, or with
+    ``seeds`` from a stream of each node's own. Each node's joint actions go to the environment in one
+    ``step_many``; a joint action whose episode is not done gets a child node for the next turn, unless the turn limit
     is reached, the node's mean team reward exceeds ``early_termination_threshold`` (off by
     default), or the branch is not among the ``max_children`` sampled for expansion.
     """
@@ -240,7 +247,8 @@ def collect(
         level_generations.append(gens)
         offset = len(nodes)
         nodes.extend(level)
-        joints = [joint_action_indices(G, N, joint_mode, max_joint_actions, generator) for _ in level]
+        picks = [generator if n.seed is None else pick_stream(n.seed) for n in level]
+        joints = [joint_action_indices(G, N, joint_mode, max_joint_actions, g) for g in picks]
         joint_rows.extend(joints)
         actions = [
             [[gens[i].completions[j * G + int(joint[i])] for i in range(N)] for joint in joints[j]]
@@ -260,7 +268,7 @@ def collect(
                 continue
             open_actions = [k for k, r in enumerate(row) if not r.done]
             if max_children is not None and len(open_actions) > max_children:
-                pick = torch.randperm(len(open_actions), generator=generator)[:max_children].tolist()
+                pick = torch.randperm(len(open_actions), generator=picks[j])[:max_children].tolist()
                 open_actions = sorted(open_actions[p] for p in pick)
             for k in open_actions:
                 result = row[k]

@@ -197,10 +197,12 @@ class ActorCriticTrainer(MAGRPOTrainer):
             ]
         return plan
 
-    def training_step(self, items: Sequence[Any]) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    def training_step(
+        self, items: Sequence[Any], seeds: Sequence[int] | None = None
+    ) -> tuple[dict[str, float], list[dict[str, Any]]]:
         args, N, G = self.args, self.num_agents, self.args.num_generations
         t0 = time.perf_counter()
-        rollout = self._collect(items)
+        rollout = self._collect(items, seeds)
         t1 = time.perf_counter()
         metrics = rollout_metrics(rollout, self.data)  # the task's rewards
         task_rewards = rollout.rewards  # what samples.jsonl shows, as the metrics: not less the KL penalty

@@ -302,9 +302,8 @@ class MAGRPOTrainer:
             if args.gradient_checkpointing:
                 set_activation_checkpointing(agent.model, True)
             agent.model.train()
-            # Each agent samples from its own stream, seeded by its index: the same draws whether the team runs in
-            # one process or one process per agent, and no random numbers shared between agents. Data shards
-            # draw from streams of their own.
+            # train() seeds each item's draws (see _batches); a training_step called without seeds draws from the
+            # agent's own stream, seeded by its index (the same in one process or one per agent), per data shard.
             agent.generator = torch.Generator(agent.device).manual_seed(args.seed + 200 + i + 1000 * shard)
         for i, agent in enumerate(self.team):
             agent.bf16 = self.agent_args[i].bf16  # generation and scoring in the agent's precision
@@ -343,9 +342,11 @@ class MAGRPOTrainer:
                 self._schedule(opt, self.training_steps_of(i)) if opt is not None else None
                 for i, opt in enumerate(self.optimizers)
             ]
-        # Joint-action subsets and max_children picks: a stream per data shard (equal within an episode's processes).
+        # Joint-action subsets and max_children picks of a training_step called without seeds: a stream per data
+        # shard (equal within an episode's processes).
         self.joint_generator = torch.Generator().manual_seed(args.seed + 1 + 1000 * shard)
         self.step = 0
+        self._step_indices: list[int] = []  # the dataset indices of the step train() is taking (see _batches)
 
     def _keeps_reference(self) -> bool:
         """Whether each learning agent keeps a reference policy (the KL term's): a frozen copy, or itself without
@@ -514,10 +515,10 @@ class MAGRPOTrainer:
         ) as logger:
             if self.memory_summary is not None and args.progress_bar and writer:
                 logger.print(self.memory_summary)
-            for items in self._batches():
+            for items, seeds in self._batches():
                 self.step += 1
                 try:
-                    metrics, samples = self.training_step(items)
+                    metrics, samples = self.training_step(items, seeds)
                 except torch.OutOfMemoryError as error:
                     raise torch.OutOfMemoryError(f"{error}\n{OUT_OF_MEMORY_FIXES}") from error
                 last = metrics
@@ -547,11 +548,16 @@ class MAGRPOTrainer:
                 self.processes.barrier()
         return last
 
-    def training_step(self, items: Sequence[Any]) -> tuple[dict[str, float], list[dict[str, Any]]]:
-        """Collect one batch of joint experience and update every agent once (``num_iterations`` steps)."""
+    def training_step(
+        self, items: Sequence[Any], seeds: Sequence[int] | None = None
+    ) -> tuple[dict[str, float], list[dict[str, Any]]]:
+        """Collect one batch of joint experience and update every agent once (``num_iterations`` steps).
+
+        ``seeds``, one per item, fix each item's draws (``train()`` passes them, see ``_batches``); None: the agents'
+        own streams."""
         args = self.args
         t0 = time.perf_counter()
-        rollout = self._collect(items)
+        rollout = self._collect(items, seeds)
         generate_seconds = rollout.generate_seconds
         greedy = None
         if args.baseline == "greedy":
@@ -902,8 +908,8 @@ class MAGRPOTrainer:
         return metrics
 
     def checkpoint_state(self) -> dict[str, Any]:
-        """What this process holds, for a checkpoint: its agents' weights, optimizers and schedules, and the
-        joint-action stream (``comarl.checkpoint`` adds the global random streams)."""
+        """What this process holds, for a checkpoint: its agents' weights, optimizers and schedules
+        (``comarl.checkpoint`` adds the global random streams; train()'s sampling streams follow from the step)."""
         # shard_weights: each process holds its own share of the weights and of their AdamW state
         sharded = self.args.shard_weights
         return {
@@ -914,12 +920,9 @@ class MAGRPOTrainer:
                         optimizer_state(self.optimizers[i]), sharded or is_sharded(self.optimizers[i])
                     ),
                     "scheduler": self.schedulers[i].state_dict(),
-                    "sampling": self.team[i].generator.get_state(),
-                    "sampling_device": self.team[i].generator.device.type,
                 }
                 for i in self.local
             },
-            "joint_generator": self.joint_generator.get_state(),
         }
 
     def once(self, state: Any, sharded: bool = False) -> Any:
@@ -936,15 +939,6 @@ class MAGRPOTrainer:
                 f"resume_from_checkpoint: the checkpoint holds agents {sorted(state['agents'])}, this process trains "
                 f"{self.local}; resume with the same launch (agent_parallel and process count)"
             )
-        for i, part in state["agents"].items():  # every agent checked before any is loaded
-            here = self.team[i].generator.device.type
-            if part.get("sampling_device", here) != here:
-                # A CPU stream's state is not a CUDA stream's (5056 bytes against 16): it cannot continue there.
-                raise ConfigError(
-                    f"resume_from_checkpoint: agent {i} sampled on {part['sampling_device']} when the checkpoint was "
-                    f"written and is on {here} now; resume with the same kind of device (agent_devices), or start a "
-                    "new run from the saved agents (save_model's agent_i folders)"
-                )
         for i, part in state["agents"].items():
             load_weights(
                 self.team[i].model,
@@ -954,8 +948,6 @@ class MAGRPOTrainer:
             )
             load_optimizer_state(self.optimizers[i], part["optimizer"], f"agent {i}")
             self.schedulers[i].load_state_dict(part["scheduler"])
-            self.team[i].generator.set_state(part["sampling"])
-        self.joint_generator.set_state(state["joint_generator"])
 
     def save_model(self, output_dir: str | Path) -> None:
         """Write ``output_dir/agent_{i}/`` per agent, each loadable with ``from_pretrained`` (each process its own;
@@ -988,9 +980,15 @@ class MAGRPOTrainer:
         return merged
 
     def _batches(self):  # noqa: ANN202
-        """Items of each step after ``self.step`` (see ``_batch_indices``)."""
-        for indices in self._batch_indices():
-            yield [self.train_dataset[j] for j in indices]
+        """Items of each step after ``self.step`` (see ``_batch_indices``, whose indices ``self._step_indices``
+        holds meanwhile) and their seeds: item j in step s draws from streams keyed (seed, j, s) alone, so a run
+        samples the same completions in one process or split among data shards, and after a resume."""
+        for step, indices in enumerate(self._batch_indices(), start=self.step + 1):
+            self._step_indices = indices
+            yield (
+                [self.train_dataset[j] for j in indices],
+                [stream_seed(self.args.seed, j, step) for j in indices],
+            )
 
     def _batch_indices(self):  # noqa: ANN202
         """Dataset indices of each step after ``self.step``: a seeded permutation per epoch, ``prompts_per_step``
@@ -1011,8 +1009,9 @@ class MAGRPOTrainer:
                 produced += 1
             epoch += 1
 
-    def _collect(self, items: Sequence[Any]) -> Rollout:
-        """Sample every agent's answers to ``items`` and play them in the environment (a tree over turns)."""
+    def _collect(self, items: Sequence[Any], seeds: Sequence[int] | None = None) -> Rollout:
+        """Sample every agent's answers to ``items`` and play them in the environment (a tree over turns); ``seeds``:
+        see :func:`comarl.rollout.collect`."""
         args = self.args
         return collect(
             self.env,
@@ -1028,6 +1027,7 @@ class MAGRPOTrainer:
             pool=self.pool,
             parallel=self.parallel,
             shards=self._weight_shards(),
+            seeds=seeds,
         )
 
     def _weight_shards(self) -> DataParallel | None:

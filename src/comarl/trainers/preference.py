@@ -39,7 +39,7 @@ from comarl.algorithms import dpo_margins, preference_loss, preference_pairs, se
 from comarl.config import ConfigError, MADPOConfig, MARLHFConfig
 from comarl.critics import CriticModel, joint_observation
 from comarl.distributed import DataParallel, sum_and_clip_gradients
-from comarl.engines import Generation, concat_generations
+from comarl.engines import Generation, concat_generations, stream_seed
 from comarl.envs import Env, StepResult, prompt_text
 from comarl.memory import ModelMemory, model_memory, model_size
 from comarl.rollout import collect
@@ -61,13 +61,12 @@ class MADPOTrainer(MAGRPOTrainer):
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
         a = self.args
-        # Data shards select pairs for their own items, from streams of their own.
+        # Random pairs of a training_step called without seeds: a stream per data shard (see pair_streams).
         shard = self.data.rank if self.data is not None else 0
         self.pair_generator = torch.Generator().manual_seed(a.seed + 3 + 1000 * shard)
         # candidates_from="initial": per dataset item, what the initial team answered (see _initial_candidates),
-        # and the dataset indices of the current step (set by _batches) to look them up.
+        # looked up by the dataset indices of the current step (self._step_indices, set by _batches).
         self.candidates: list[dict[str, Any]] | None = None
-        self._step_indices: list[int] = []
         if a.candidates_from == "initial":  # a size that shard_weights cannot split stops here, not at step 1
             dataset_chunks(len(self.train_dataset), a.prompts_per_step, self.data, a.shard_weights)
 
@@ -83,12 +82,14 @@ class MADPOTrainer(MAGRPOTrainer):
         )
 
     # ------------------------------------------------------------------ one training step
-    def training_step(self, items: Sequence[Any]) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    def training_step(
+        self, items: Sequence[Any], seeds: Sequence[int] | None = None
+    ) -> tuple[dict[str, float], list[dict[str, Any]]]:
         args, K = self.args, self.args.num_generations
         t0 = time.perf_counter()
         metrics: dict[str, float] = {}
         if args.candidates_from == "current":
-            rollout = self._collect(items)
+            rollout = self._collect(items, seeds)
             generations, rewards = rollout.generations, rollout.rewards.mean(dim=-1)  # [B, K] team rewards
             ref = None
             metrics.update(rollout_metrics(rollout, self.data))
@@ -109,7 +110,10 @@ class MADPOTrainer(MAGRPOTrainer):
                 generate_seconds = 0.0
             generations, rewards, ref = self._cached(self._step_indices)
         pairs = preference_pairs(
-            rewards, args.preference_pairs_per_sample, args.pair_selection, self.pair_generator
+            rewards,
+            args.preference_pairs_per_sample,
+            args.pair_selection,
+            pair_streams(seeds, self.pair_generator),
         )
         # Under data parallelism: over every process's items and pairs.
         totals = {
@@ -239,7 +243,10 @@ class MADPOTrainer(MAGRPOTrainer):
         cache: dict[int, dict[str, Any]] = {}
         seconds = 0.0
         for chunk in dataset_chunks(size, args.prompts_per_step, self.data, args.shard_weights):
-            rollout = self._collect([self.train_dataset[j] for j in chunk])
+            # item j's draws are keyed (seed, j, 0), "step 0": the same in any process layout
+            rollout = self._collect(
+                [self.train_dataset[j] for j in chunk], [stream_seed(args.seed, j, 0) for j in chunk]
+            )
             seconds += rollout.generate_seconds
             team_rewards = rollout.rewards.mean(dim=-1)
             ref = (
@@ -284,12 +291,6 @@ class MADPOTrainer(MAGRPOTrainer):
             ]
         return generations, torch.stack([p["rewards"] for p in parts]), ref
 
-    def _batches(self):  # noqa: ANN202
-        # The cache is per dataset index, so remember which items each step takes.
-        for indices in self._batch_indices():
-            self._step_indices = indices
-            yield [self.train_dataset[j] for j in indices]
-
     # ------------------------------------------------------------------ log-probs
     def _row_logprobs(
         self, agent: Agent, gen: Generation, rows: torch.Tensor, model: Any = None
@@ -323,13 +324,11 @@ class MADPOTrainer(MAGRPOTrainer):
     def checkpoint_state(self) -> dict[str, Any]:
         return {
             **super().checkpoint_state(),
-            "pairs": self.pair_generator.get_state(),
             "candidates": self.once(self.candidates),  # every shard gathers every item's
         }
 
     def load_checkpoint_state(self, state: dict[str, Any]) -> None:
         super().load_checkpoint_state(state)
-        self.pair_generator.set_state(state["pairs"])
         self.candidates = state["candidates"]
 
     def _pair_samples(
@@ -349,6 +348,17 @@ class MADPOTrainer(MAGRPOTrainer):
                 }
             )
         return samples
+
+
+def pair_streams(
+    seeds: Sequence[int] | None, shared: torch.Generator | None = None
+) -> list[torch.Generator] | torch.Generator | None:
+    """Where :func:`comarl.algorithms.preference_pairs` draws random pairs: item b from a stream keyed (``seeds[b]``,
+    3), apart from the streams its answers were sampled from (:func:`comarl.rollout.agent_seed`); without seeds,
+    every item from ``shared``."""
+    if seeds is None:
+        return shared
+    return [torch.Generator().manual_seed(stream_seed(seed, 3)) for seed in seeds]
 
 
 def dataset_chunks(
@@ -484,9 +494,7 @@ class MARLHFTrainer(MAGRPOTrainer):
         if a.fit_reward_model:  # a size that shard_weights cannot split stops here, not at the fit
             dataset_chunks(len(self.train_dataset), a.prompts_per_step, self.data, a.shard_weights)
         self.env = RewardModelEnv(self.task_env, self.reward_model)
-        # Data shards select pairs among their own items; the order of the pairs is the same on every process.
-        shard = self.data.rank if self.data is not None else 0
-        self.pair_generator = torch.Generator().manual_seed(a.seed + 3 + 1000 * shard)
+        # The order of the pairs the reward model trains on: the same on every process.
         self.order_generator = torch.Generator().manual_seed(a.seed + 4)
 
     def _memory_plan(self, members: Sequence[Any], devices: Sequence[str]) -> list[ModelMemory]:
@@ -503,11 +511,13 @@ class MARLHFTrainer(MAGRPOTrainer):
             )
         return plan
 
-    def training_step(self, items: Sequence[Any]) -> tuple[dict[str, float], list[dict[str, Any]]]:
+    def training_step(
+        self, items: Sequence[Any], seeds: Sequence[int] | None = None
+    ) -> tuple[dict[str, float], list[dict[str, Any]]]:
         k = self.args.reward_refit_steps
         refit = k > 0 and self.step > 1 and (self.step - 1) % k == 0
         fitted = self.fit_reward_model() if refit or not self.reward_model_fitted else {}
-        metrics, samples = super().training_step(items)
+        metrics, samples = super().training_step(items, seeds)
         return {**fitted, **metrics}, samples
 
     def fit_reward_model(self, pairs: tuple[Sequence[str], Sequence[str]] | None = None) -> dict[str, float]:
@@ -569,15 +579,16 @@ class MARLHFTrainer(MAGRPOTrainer):
 
     def _preference_texts(self) -> tuple[list[str], list[str]]:
         """The team's ``preference_num_candidates`` answers to every training prompt, paired by the task reward:
-        ``(chosen, rejected)`` joint-observation texts. Data shards each answer every world_size-th item, as many
-        per call as in a training step, and every process then holds every pair."""
+        ``(chosen, rejected)`` joint-observation texts, item by item. Item j's draws are keyed (seed, j, step, 1),
+        at the step that fits (0 before training). Data shards each answer every world_size-th item, as many per
+        call as in a training step, and every process then holds every pair, in the order one process has them."""
         args, K = self.args, self.args.preference_num_candidates
-        chosen: list[str] = []
-        rejected: list[str] = []
+        pairs_of: list[tuple[int, str, str]] = []  # (item, chosen, rejected)
         for chunk in dataset_chunks(
             len(self.train_dataset), args.prompts_per_step, self.data, args.shard_weights
         ):
             items = [self.train_dataset[j] for j in chunk]
+            seeds = [stream_seed(args.seed, j, self.step, 1) for j in chunk]
             rollout = collect(
                 self.task_env,
                 self.team.agents,
@@ -588,20 +599,27 @@ class MARLHFTrainer(MAGRPOTrainer):
                 pool=self.pool,
                 parallel=self.parallel,
                 shards=self._weight_shards(),  # one turn and equal chunks already keep them in step; as _collect
+                seeds=seeds,
             )
             rewards = rollout.rewards.mean(dim=-1)
             pairs = preference_pairs(
-                rewards, args.preference_pairs_per_sample, args.pair_selection, self.pair_generator
+                rewards, args.preference_pairs_per_sample, args.pair_selection, pair_streams(seeds)
             )
             for b, win, lose in pairs.tolist():
                 observations = [prompt_text(o) for o in rollout.states[b][1]]
                 answer = [[g.completions[b * K + k] for g in rollout.generations] for k in (win, lose)]
-                chosen.append(joint_observation(observations, answer[0]))
-                rejected.append(joint_observation(observations, answer[1]))
-        if self.data is not None:
-            parts = self.data.gather((chosen, rejected))
-            chosen, rejected = [t for c, _ in parts for t in c], [t for _, r in parts for t in r]
-        return chosen, rejected
+                pairs_of.append(
+                    (
+                        chunk[b],
+                        joint_observation(observations, answer[0]),
+                        joint_observation(observations, answer[1]),
+                    )
+                )
+        if (
+            self.data is not None
+        ):  # every shard's pairs, item by item (sorted is stable: an item's order stays)
+            pairs_of = sorted((p for part in self.data.gather(pairs_of) for p in part), key=lambda p: p[0])
+        return [c for _, c, _ in pairs_of], [r for _, _, r in pairs_of]
 
     def checkpoint_state(self) -> dict[str, Any]:
         return {
@@ -611,7 +629,6 @@ class MARLHFTrainer(MAGRPOTrainer):
                 optimizer_state(self.reward_optimizer), is_sharded(self.reward_optimizer)
             ),
             "reward_model_fitted": self.reward_model_fitted,
-            "pairs": self.pair_generator.get_state(),
             "pair_order": self.order_generator.get_state(),
         }
 
@@ -620,7 +637,6 @@ class MARLHFTrainer(MAGRPOTrainer):
         self.reward_model.load_state_dict(state["reward_model"])
         load_optimizer_state(self.reward_optimizer, state["reward_optimizer"], "the reward model")
         self.reward_model_fitted = state["reward_model_fitted"]
-        self.pair_generator.set_state(state["pairs"])
         self.order_generator.set_state(state["pair_order"])
 
     def save_model(self, output_dir: str | Path) -> None:
