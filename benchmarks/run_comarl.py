@@ -66,8 +66,8 @@ def main() -> None:
     clock = Clock()
     generate = trainer.engine.generate
 
-    def counted_generate(agent, prompts, num_generations, params):  # noqa: ANN001, ANN202
-        gen = generate(agent, prompts, num_generations, params)
+    def counted_generate(agent, prompts, num_generations, params, seeds=None):  # noqa: ANN001, ANN202
+        gen = generate(agent, prompts, num_generations, params, seeds)
         clock.completions += len(gen.completions)
         clock.tokens += gen.num_tokens
         return gen

@@ -1,13 +1,17 @@
-"""The pure parts of the benchmark driver (medians, schedules, ratios, targets, the markdown tables) and the floor."""
+"""The pure parts of the benchmark driver (medians, schedules, ratios, targets, the markdown tables), the floor, and
+comarl's and the floor's runners on a small workload."""
 
 from __future__ import annotations
 
+import json
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+BENCHMARKS = Path(__file__).resolve().parents[1] / "benchmarks"
+sys.path.insert(0, str(BENCHMARKS))
 
 from bench import (  # noqa: E402
     Case,
@@ -198,3 +202,27 @@ def test_the_floor_samples_what_it_scores_and_its_log_probs_equal_a_per_row_forw
     ).logits[:, prompt_ids.shape[1] - 1 : -1]
     expected = torch.log_softmax(logits, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(logp, expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.slow
+def test_comarl_and_floor_runners_train_the_workload_and_report_its_work(tmp_path):
+    """Each runner trains one epoch of the first 8 prompts (one batched step) and prints one RESULT line with the
+    work it did: 8 prompts x G=4 completions of exactly 32 tokens per agent (a runner that breaks with comarl's
+    API, as run_comarl's generate counter did when the engines took seeds, fails here, not in `comarl bench`)."""
+    from workload import build_workload
+
+    workload = build_workload(tmp_path / "workload")
+    for script, agents in (("run_comarl.py", 2), ("floor.py", 1)):
+        command = [sys.executable, str(BENCHMARKS / script), "--workload", str(workload), "--mode", "batched"]
+        done = subprocess.run(
+            [*command, "--prompts", "8", "--agents", str(agents)], capture_output=True, text=True, timeout=300
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        lines = [line for line in done.stdout.splitlines() if line.startswith("RESULT ")]
+        assert len(lines) == 1, done.stdout[-2000:]
+        result = json.loads(lines[0].removeprefix("RESULT "))
+        assert (result["prompts"], result["completions"], result["tokens"]) == (
+            8,
+            32 * agents,
+            32 * 32 * agents,
+        )
