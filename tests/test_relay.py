@@ -88,7 +88,7 @@ def _trainer(paths, num_turns, steps):
 def test_multi_turn_training_beats_single_turn_on_the_relay_game(tmp_path):
     """Seeded: evaluated on two-turn episodes, a team trained on two turns succeeds >= 80%, one trained on
     the first turn alone stays near the ~50% that guessing allows. (Success moves in steps of 1/6 here; after 250
-    steps seeds 0-3 reached 0.83, 1.0, 1.0, 1.0 on one machine: 0.9 had no margin for another CPU's rounding.)"""
+    steps seeds 0-2 reach 0.83, 1.0, 1.0, holding 5/6 from steps 175, 200 and 150: 0.9 has no margin.)"""
     paths = relay.build_team(tmp_path / "models")
     single = _trainer(paths, num_turns=1, steps=100)
     single.train()
