@@ -23,7 +23,7 @@ from comarl.evaluation import (
     summarize,
     write_json,
 )
-from comarl.tasks import writing
+from comarl.tasks import demo, writing
 
 # ----------------------------------------------------------------------------- pure parts
 
@@ -97,6 +97,15 @@ def test_summarize_by_hand():
         (dict(task="math"), r"task='math' \(--task\)"),
         (dict(num_samples=0, k_values=[]), r"num_samples=0 \(--samples\): must be >= 1"),
         (dict(num_turns=3), r"num_turns=3 \(--turns\): the writing task is single-turn; use --turns 1"),
+        (
+            dict(task="demo", num_turns=2),
+            r"^num_turns=2 \(--turns\): the demo task is single-turn; use --turns 1$",
+        ),
+        (
+            dict(task="demo", mode="single", num_agents=1),
+            r"^mode='single' \(--mode single\): the demo is a game of two agents, with no one-agent variant; use "
+            r"--mode team or --mode pipeline$",
+        ),
     ],
 )
 def test_requests_are_checked_before_loading(kwargs, message):
@@ -325,6 +334,46 @@ def test_cli_eval_on_a_run_folder_and_on_models(team_paths, tmp_path, capsys):
     single = ["eval", "--task", "writing", "--models", team_paths[1], "--mode", "single", "--limit", "1"]
     assert main([*single, "--max-new-tokens", "3"]) == 0
     assert "mode single" in capsys.readouterr().out
+
+
+def test_cli_eval_plays_the_demo_game_as_a_team_and_as_a_pipeline(tmp_path, capsys):
+    """`comarl eval --task demo` on the demo's base models, 4 samples per item: all 36 items, short answers (the
+    task's 3 tokens), each joint answer scored by meeting_reward (the untrained team names an open place now and
+    then); in the pipeline mode bob hears alice's answer first."""
+    paths = [str(p) for p in demo.build_team(tmp_path / "models")]
+    for mode in ("team", "pipeline"):
+        out = tmp_path / f"{mode}.json"
+        argv = [
+            "eval",
+            "--task",
+            "demo",
+            "--models",
+            *paths,
+            "--mode",
+            mode,
+            "--samples",
+            "4",
+            "--json",
+            str(out),
+        ]
+        assert main(argv) == 0
+        assert f"mode {mode}" in capsys.readouterr().out
+        data = json.loads(out.read_text())
+        items = demo.load_items()
+        assert data["num_items"] == 36 and items[0]["id"] == "paris/cafe+park"
+        assert [s["id"] for s in data["samples"]] == [i["id"] for i in items for _ in range(4)]
+        for sample in data["samples"]:
+            item = items[sample["item"]]
+            prompts, answers = sample["turns"][0]["prompts"], sample["turns"][0]["completions"]
+            assert prompts[0] == demo.formatter(0)(item)
+            heard = f" alice meets at the {demo.first_word(answers[0])} ."
+            assert prompts[1] == demo.formatter(1)(item) + (heard if mode == "pipeline" else "")
+            assert all(len(a.split()) <= 3 for a in answers)
+            expected = demo.meeting_reward([answers[0]], [answers[1]], [item["open_places"]])[0]
+            assert sample["reward"] == pytest.approx(expected)
+            assert sample["success"] == (expected == 1.0)
+        rewards = [s["reward"] for s in data["samples"]]
+        assert data["metrics"]["reward"] == pytest.approx(sum(rewards) / len(rewards)) and max(rewards) > 0
 
 
 @pytest.mark.parametrize(

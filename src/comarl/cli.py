@@ -49,9 +49,9 @@ def main(argv: list[str] | None = None) -> int:
     )
 
     evaluate = sub.add_parser(
-        "eval", help="evaluate a team, one model or a pipeline on the code or writing task"
+        "eval", help="evaluate a team, one model or a pipeline on the code, writing or demo task"
     )
-    evaluate.add_argument("--task", required=True, help="code or writing")
+    evaluate.add_argument("--task", required=True, help="code, writing or demo")
     team_source = evaluate.add_mutually_exclusive_group(required=True)
     team_source.add_argument("--run", help="a training run folder: loads RUN/agents/agent_0, agent_1, ...")
     team_source.add_argument(
@@ -64,7 +64,9 @@ def main(argv: list[str] | None = None) -> int:
     )
     evaluate.add_argument("--split", default="eval", help="the task's split (default eval)")
     evaluate.add_argument(
-        "--source", default=None, help="the task's data source (default: writing local, code humaneval)"
+        "--source",
+        default=None,
+        help="the task's data source (default: writing and demo local, code humaneval)",
     )
     evaluate.add_argument("--limit", type=int, default=None, help="evaluate the first LIMIT items only")
     evaluate.add_argument(
@@ -76,7 +78,12 @@ def main(argv: list[str] | None = None) -> int:
         default=None,
         help="default: greedy for --samples 1, else 1.0; 0 is greedy",
     )
-    evaluate.add_argument("--max-new-tokens", type=int, default=256, help="tokens per answer (default 256)")
+    evaluate.add_argument(
+        "--max-new-tokens",
+        type=int,
+        default=None,
+        help="tokens per answer (default: the task's, 256; demo 3)",
+    )
     evaluate.add_argument("--batch-size", type=int, default=8, help="items per batched generate call")
     evaluate.add_argument("--device", default=None, help="default: cuda when available, else cpu")
     evaluate.add_argument("--seed", type=int, default=0, help="sampling seed (default 0)")

@@ -34,7 +34,7 @@ from comarl.envs import Env
 from comarl.rollout import Rollout, agent_seed, collect, independent_episodes
 from comarl.tracking import json_ready  # the one rule for NaN in JSON output, shared with metrics.jsonl
 
-TASKS = ("code", "writing")
+TASKS = ("code", "writing", "demo")
 MODES = ("team", "single", "pipeline")
 
 
@@ -74,10 +74,11 @@ class TaskProtocol:
     id_key: str  # the item column that names an item in the samples
     make_env: Callable[[int, int], Env]  # (num_agents, num_turns) -> environment, with close()
     pipeline_prompt: Callable[[Mapping[str, Any], str], str]
+    max_new_tokens: int = 256  # an answer's length when the caller gives none (the demo's answer is a word)
 
 
 def task_protocol(task: str) -> TaskProtocol:
-    """The protocol of ``task`` ("code" or "writing"), the one place that maps task names to modules."""
+    """The protocol of ``task`` ("code", "writing" or "demo"), the one place that maps task names to modules."""
     if task == "writing":
         from comarl.tasks import writing
 
@@ -89,6 +90,12 @@ def task_protocol(task: str) -> TaskProtocol:
             return code.CodeCollabEnv(num_agents=num_agents, num_turns=num_turns)
 
         return TaskProtocol(code.load_items, "humaneval", "task_id", code_env, code.pipeline_prompt)
+    if task == "demo":
+        from comarl.tasks import demo
+
+        return TaskProtocol(
+            demo.load_items, "local", "id", demo.make_env, demo.pipeline_prompt, max_new_tokens=3
+        )
     raise ConfigError(f"task={task!r} (--task): choose one of {list(TASKS)}")
 
 
@@ -96,7 +103,7 @@ def task_items(
     task: str, split: str = "eval", source: str | None = None, limit: int | None = None
 ) -> list[dict[str, Any]]:
     """The first ``limit`` items (all when None) of ``task``'s ``load_items(split, source)``; the CLI loads them
-    before any model. ``source`` defaults to the task's (writing "local", code "humaneval")."""
+    before any model. ``source`` defaults to the task's (writing and demo "local", code "humaneval")."""
     protocol = task_protocol(task)
     source = protocol.default_source if source is None else source
     try:
@@ -131,7 +138,7 @@ def check_request(
     num_turns: int,
     *,
     limit: int | None = None,
-    max_new_tokens: int = 256,
+    max_new_tokens: int | None = None,
     batch_size: int = 8,
     temperature: float | None = None,
 ) -> None:
@@ -151,8 +158,13 @@ def check_request(
         raise ConfigError(f"num_samples={num_samples} (--samples): must be >= 1")
     if num_turns < 1:
         raise ConfigError(f"num_turns={num_turns} (--turns): must be >= 1")
-    if task == "writing" and num_turns != 1:
-        raise ConfigError(f"num_turns={num_turns} (--turns): the writing task is single-turn; use --turns 1")
+    if task in ("writing", "demo") and num_turns != 1:
+        raise ConfigError(f"num_turns={num_turns} (--turns): the {task} task is single-turn; use --turns 1")
+    if task == "demo" and mode == "single":
+        raise ConfigError(
+            "mode='single' (--mode single): the demo is a game of two agents, with no one-agent variant; use "
+            "--mode team or --mode pipeline"
+        )
     if not k_values:
         raise ConfigError("k_values (--k): give at least one k, e.g. --k 1")
     for k in k_values:
@@ -183,7 +195,7 @@ def check_request(
             raise ConfigError(
                 f"mode='pipeline' (--mode pipeline) plays one turn, but num_turns={num_turns} (--turns): use 1"
             )
-    sampling_params(num_samples, temperature, max_new_tokens)  # checks the temperature
+    sampling_params(num_samples, temperature, 1)  # checks the temperature
 
 
 def sampling_params(num_samples: int, temperature: float | None, max_new_tokens: int) -> SamplingParams:
@@ -403,16 +415,17 @@ def evaluate_task(
     limit: int | None = None,
     num_turns: int = 1,
     temperature: float | None = None,
-    max_new_tokens: int = 256,
+    max_new_tokens: int | None = None,
     batch_size: int = 8,
     seed: int = 0,
     items: Sequence[Mapping[str, Any]] | None = None,
 ) -> dict[str, Any]:
     """Play ``task`` in ``mode`` with ``agents`` (loaded :class:`Agent` objects), ``num_samples`` episodes per item.
 
-    Items are ``load_items(split, source)`` of the task (``source`` defaults to the task's: writing
+    Items are ``load_items(split, source)`` of the task (``source`` defaults to the task's: writing and demo
     "local", code "humaneval"), the first ``limit`` of them when given (``items``: those, already
-    loaded by :func:`task_items`), ``batch_size`` items per batched generate call. Sampling draws from
+    loaded by :func:`task_items`), ``batch_size`` items per batched generate call; ``max_new_tokens``
+    defaults to the task's (256; the demo's one-word answers 3). Sampling draws from
     streams fixed by ``seed``, the item's index, the episode and the agent (:func:`comarl.rollout.collect`), so
     the results do not depend on ``batch_size``; the agents' own streams and torch's global one are not used.
     Returns a JSON-ready dict: the request
@@ -433,8 +446,10 @@ def evaluate_task(
         batch_size=batch_size,
         temperature=temperature,
     )
-    params = sampling_params(num_samples, temperature, max_new_tokens)
     protocol = task_protocol(task)
+    params = sampling_params(
+        num_samples, temperature, protocol.max_new_tokens if max_new_tokens is None else max_new_tokens
+    )
     source = protocol.default_source if source is None else source
     items = task_items(task, split, source, limit) if items is None else list(items)[:limit]
     if not items:

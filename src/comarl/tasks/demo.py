@@ -22,6 +22,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from comarl.envs import Env, FunctionEnv
+
 CITIES = ("paris", "tokyo", "cairo", "lima", "oslo", "delhi")
 PLACES = ("cafe", "park", "museum", "station")
 NAMES = ("alice", "bob")
@@ -70,6 +72,37 @@ def dataset(cities: Sequence[str] = CITIES) -> list[dict[str, Any]]:
         for city in cities
         for pair in itertools.combinations(PLACES, 2)
     ]
+
+
+# ----------------------------------------------------------------------------- `comarl eval --task demo`
+
+
+def load_items(split: str = "eval", source: str = "local") -> list[dict[str, Any]]:
+    """The game's 36 items for either split (the demo trains and evaluates on every item), each with an ``id``
+    such as ``"paris/cafe+park"``; ``source`` must be "local"."""
+    if split not in ("train", "eval"):
+        raise ValueError(f"load_items: split={split!r}; choose 'train' or 'eval'")
+    if source != "local":
+        raise ValueError(f"load_items: source={source!r}; the demo's items are 'local' only")
+    return [{**item, "id": f"{item['city']}/{'+'.join(item['open_places'])}"} for item in dataset()]
+
+
+def make_env(num_agents: int = 2, num_turns: int = 1) -> Env:
+    """The game as an environment: alice and bob answer once; :func:`meeting_reward` scores them, and an
+    episode succeeds when they meet (reward 1.0)."""
+    if num_agents != 2 or num_turns != 1:
+        raise ValueError(
+            f"num_agents={num_agents}, num_turns={num_turns}: the meeting game is one turn of two agents"
+        )
+    return FunctionEnv(
+        meeting_reward, [formatter(0), formatter(1)], 2, reward_call="batched", success_threshold=1.0
+    )
+
+
+def pipeline_prompt(item: dict[str, Any], first_completion: str) -> str:
+    """Bob's prompt when he hears alice's answer first (the pipeline baseline): his view, then
+    ``"alice meets at the <her answer> ."`` (words his tokenizer knows, from :func:`corpus`)."""
+    return f"{formatter(1)(item)} alice meets at the {first_word(first_completion)} ."
 
 
 def corpus() -> list[str]:
