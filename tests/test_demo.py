@@ -204,3 +204,12 @@ def test_run_demo_gives_back_the_callers_thread_count(tmp_path):
         assert torch.get_num_threads() == 2  # the demo runs on one thread, the caller's setting comes back
     finally:
         torch.set_num_threads(threads)
+
+
+def test_cli_demo_names_the_command_that_evaluates_its_team_and_that_command_runs(tmp_path, capsys):
+    out = tmp_path / "run"
+    assert main(["demo", "--out", str(out), "--steps", "2", "--no-progress"]) == 0
+    hint = capsys.readouterr().out.splitlines()[-1]
+    assert hint == f"evaluate it again: comarl eval --task demo --run {out}"
+    assert main(hint.removeprefix("evaluate it again: comarl ").split()) == 0
+    assert "reward/meeting_reward" in capsys.readouterr().out

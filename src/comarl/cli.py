@@ -181,6 +181,7 @@ def _demo(args: argparse.Namespace) -> int:
     for places, answers in summary["conventions"].items():
         print(f"  {places:<18} -> {' / '.join(answers)}")
     print(f"run folder: {summary['run_dir']} (config.yaml, metrics.jsonl, plot.png, samples.jsonl, agents/)")
+    print(f"evaluate it again: comarl eval --task demo --run {summary['run_dir']}")
     return 0
 
 
