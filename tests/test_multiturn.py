@@ -1,4 +1,5 @@
-"""Multi-turn rollout trees: shapes, call counts, returns by hand, histories, masking, errors."""
+"""Multi-turn rollout trees: shapes, call counts, returns by hand, histories, masking, errors. The tests after
+"gaps found by mutation testing" each pin a behaviour a mutant of rollout.py once changed unseen."""
 
 from __future__ import annotations
 
@@ -13,19 +14,32 @@ from comarl import ConfigError, FunctionEnv, MAGRPOConfig, MAGRPOTrainer, MAReMa
 from comarl.algorithms import tree_lambda_returns
 from comarl.engines import Generation, SamplingParams
 from comarl.envs import Env, History, StepResult, comlrl_transition
-from comarl.rollout import collect, greedy_returns, tree_returns, with_rewards
+from comarl.rollout import (
+    collect,
+    episode_answers,
+    greedy_returns,
+    joint_action_indices,
+    tree_returns,
+    with_rewards,
+)
 
 
 class CountingEngine:
-    """A stand-in for HFEngine: completion j of agent ``name`` is f"{name}s{j}" (whatever the prompt); counts calls."""
+    """A stand-in for HFEngine: completion j of agent ``name`` is f"{name}s{j}" (whatever the prompt; ``echo``:
+    f"{prompt}/{name}s{j}", to tell branches apart); counts calls."""
 
-    def __init__(self) -> None:
+    def __init__(self, echo: bool = False) -> None:
         self.calls: list[tuple[str, int]] = []
+        self.echo = echo
 
     def generate(self, agent, prompts, num_generations, params, seeds=None):
         self.calls.append((agent.name, len(prompts)))
         rows = len(prompts) * num_generations
-        texts = [f"{agent.name}s{j}" for _ in prompts for j in range(num_generations)]
+        texts = [
+            f"{p}/{agent.name}s{j}" if self.echo else f"{agent.name}s{j}"
+            for p in prompts
+            for j in range(num_generations)
+        ]
         ones = torch.ones(rows, 2, dtype=torch.long)
         return Generation(ones, ones, ones, ones, [p for p in prompts for _ in range(num_generations)], texts)
 
@@ -682,7 +696,8 @@ def test_environment_and_trainer_turn_limits_must_agree(qwen_bpe):
 def test_early_termination_ends_episodes_for_success_and_the_greedy_baseline():
     """A node whose team reward passes early_termination_threshold ends its episodes there: they count in
     success (p0 succeeds at turn 1, p1 fails twice: 2 of the 6 ended joint actions), and MAReMax's greedy path
-    from that node stops there too (it went on to 1 + 0.9 x 1, giving two identical answers A = -0.9)."""
+    from that node stops there too. (Turn 2 pays 0 here, so a greedy path that went on would give the same
+    baseline: test_the_greedy_path_stops_where_the_team_reward_passes_the_threshold pays turn 2.)"""
     env = FunctionEnv(
         lambda a, b, prompts: [1.0 if p == "p0" else 0.0 for p in prompts[0]],
         lambda item: item["prompt"],
@@ -829,3 +844,221 @@ def test_a_joint_reward_is_every_agents(joint):
     repeated = collect(SuccessWhenDone(), fake_agents(2), ITEMS[:1], **common)
     assert shared.rewards.shape[-1] == 2 and torch.equal(shared.rewards, repeated.rewards)
     assert shared.rewards.sum() > 0  # some joint action won
+
+
+# ----------------------------------------------------------------------------- gaps found by mutation testing
+
+
+def sample(completion: str) -> int:
+    """The sample index j of a completion ``...s{j}``."""
+    return int(completion[-1])
+
+
+COMMON = {"num_generations": 2, "params": [SamplingParams()] * 2}
+
+
+def test_a_node_ends_early_only_when_its_mean_team_reward_is_strictly_above_the_threshold():
+    """early_termination_threshold = 0.5, G = 2 aligned, two turns, per-agent rewards [agent 0, agent 1] at turn 1:
+
+    - item "eq":   both joint actions [1, 0]   -> team 0.5 each, node mean 0.5: not above 0.5, goes on
+      (``>=`` would end it; a sum over agents instead of the mean, 1.0, would end it too);
+    - item "mix":  k0 [1, 1], k1 [0, 0]        -> team 1 and 0, node mean 0.5: goes on
+      (the best joint action instead of the mean, 1.0, would end it);
+    - item "high": both joint actions [1, .5]  -> team 0.75 each, node mean 0.75 > 0.5: ends at turn 1.
+
+    Nodes: 3 roots, then 2 children for each of "eq" and "mix" = 7; "high"'s root joint actions are done.
+    """
+    turn_1 = {
+        "eq": [[1.0, 0.0], [1.0, 0.0]],
+        "mix": [[1.0, 1.0], [0.0, 0.0]],
+        "high": [[1.0, 0.5], [1.0, 0.5]],
+    }
+
+    def reward(a, b, prompts):
+        return [turn_1[p][sample(x)] if p in turn_1 else [0.0, 0.0] for x, p in zip(a, prompts[0])]
+
+    env = FunctionEnv(
+        reward,
+        lambda item: item["prompt"],
+        2,
+        reward_call="batched",
+        transition=lambda item, completions, history: ["again", "again"],
+        num_turns=2,
+    )
+    items = [{"prompt": p} for p in ("eq", "mix", "high")]
+    rollout = collect(
+        env,
+        fake_agents(2),
+        items,
+        engine=CountingEngine(),
+        num_turns=2,
+        early_termination_threshold=0.5,
+        **COMMON,
+    )
+    assert rollout.depth.tolist() == [0, 0, 0, 1, 1, 1, 1]
+    assert rollout.done[:3].tolist() == [[False, False], [False, False], [True, True]]
+    assert rollout.child[:3].tolist() == [[3, 4], [5, 6], [-1, -1]]
+
+
+def test_the_greedy_path_stops_where_the_team_reward_passes_the_threshold():
+    """Every turn pays the team 1.0; threshold 0.5, two turns, discount 0.9. The root's team reward 1 passes the
+    threshold: its sampled episodes end there (R = 1), and so does its greedy path, b = 1 (going on would give
+    1 + 0.9 * 1 = 1.9; tests/test_multiturn.py's early-termination test pays 0 at turn 2, so it cannot tell)."""
+    env = FunctionEnv(
+        lambda a, b: [1.0] * len(a),
+        lambda item: item["prompt"],
+        2,
+        reward_call="batched",
+        transition=lambda item, completions, history: ["again", "again"],
+        num_turns=2,
+    )
+    common = {"engine": CountingEngine(), "num_turns": 2, "discount": 0.9, "early_termination_threshold": 0.5}
+    rollout = collect(env, fake_agents(2), [{"prompt": "p0"}], **COMMON, **common)
+    assert rollout.depth.tolist() == [0] and rollout.node_returns[0].tolist() == [[1.0, 1.0], [1.0, 1.0]]
+    baseline, _ = greedy_returns(
+        env, fake_agents(2), rollout, params=[SamplingParams(do_sample=False)] * 2, **common
+    )
+    assert baseline.tolist() == [[1.0, 1.0]]
+
+
+class Endless(Env):
+    """Never done and no turn limit of its own: the trainer's num_turns alone ends its episodes. Pays 1 a turn."""
+
+    num_agents = 2
+
+    def reset(self, item):
+        return ["p", "p"]
+
+    def step(self, joint_action):
+        return StepResult([1.0, 1.0], done=False, observations=["again", "again"])
+
+
+def test_the_greedy_path_stops_at_the_turn_limit_of_an_env_that_never_ends():
+    """num_turns = 2, discount 0.5, G = 1. The sampled chain: root (turn 1) -> one node (turn 2), R = [1.5, 1].
+    The greedy path from the root plays turns 1 and 2: 1 + 0.5 * 1 = 1.5; from the turn-2 node only turn 2: 1.
+    (Playing one turn past the limit would give 1.75 and 1.5. FunctionEnv reports done at its own limit, so
+    the other greedy tests cannot tell.)"""
+    common = {"engine": CountingEngine(), "num_turns": 2, "discount": 0.5}
+    rollout = collect(
+        Endless(), fake_agents(2), [{}], num_generations=1, params=[SamplingParams()] * 2, **common
+    )
+    assert rollout.depth.tolist() == [0, 1]
+    assert rollout.node_returns[:, 0, 0].tolist() == [1.5, 1.0]
+    baseline, _ = greedy_returns(
+        Endless(), fake_agents(2), rollout, params=[SamplingParams(do_sample=False)] * 2, **common
+    )
+    assert baseline.tolist() == [[1.5, 1.5], [1.0, 1.0]]
+
+
+def test_success_is_nan_where_a_branch_was_left_without_a_child():
+    """Rollout.success is NaN where the episode goes on. G = 4 aligned, max_children = 1, two turns: at the root
+    sample 0 succeeds and ends (1.0); samples 1-3 go on, one is expanded and two are left without a child by the
+    budget: all three go on, NaN (not 0.0: they were not failures). At turn 2 (the limit) all four succeed.
+    (rollout_values recomputes which episodes ended, so the metrics alone cannot see this.)"""
+
+    def reward(a, b, prompts):
+        return [float(p == "again" or sample(x) == 0) for x, p in zip(a, prompts[0])]
+
+    env = FunctionEnv(
+        reward,
+        lambda item: item["prompt"],
+        2,
+        reward_call="batched",
+        success_threshold=1.0,
+        transition=lambda item, completions, history: None if sample(completions[0]) == 0 else ["again"] * 2,
+        num_turns=2,
+    )
+    rollout = collect(
+        env,
+        fake_agents(2),
+        [{"prompt": "p0"}],
+        engine=CountingEngine(),
+        num_generations=4,
+        params=[SamplingParams()] * 2,
+        num_turns=2,
+        max_children=1,
+        generator=torch.Generator().manual_seed(0),
+    )
+    assert rollout.depth.tolist() == [0, 1]
+    assert rollout.success[0, 0] == 1.0
+    assert all(math.isnan(v) for v in rollout.success[0, 1:].tolist())
+    assert rollout.success[1].tolist() == [1.0] * 4
+
+
+def test_with_rewards_bootstraps_a_branch_left_without_a_child_as_collect_does():
+    """G = 2 aligned, max_children = 1, two turns, discount 0.5, shared rewards. Turn 1 pays 1 for both joint
+    actions; joint action k goes on to prompt t{k}, whose node pays 4 (t0) or 8 (t1) to both of its joint actions.
+    One of the two is expanded; the other is not done, so its return is bootstrapped with the expanded sibling's
+    value V: both root joint actions return 1 + 0.5 * V (V = 4: 3.0; V = 8: 5.0). Recomputing from the same rewards
+    (kl_penalty='reward') must bootstrap it too, not keep R = 1 (the branch has no child but is not done).
+    Less 1 on every turn-2 reward: V drops by 1 and both root returns by 0.5."""
+    turn_2 = {"t0": 4.0, "t1": 8.0}
+
+    def reward(a, b, prompts):
+        return [turn_2.get(p, 1.0) for p in prompts[0]]
+
+    env = FunctionEnv(
+        reward,
+        lambda item: item["prompt"],
+        2,
+        reward_call="batched",
+        transition=lambda item, completions, history: [f"t{sample(completions[0])}"] * 2,
+        num_turns=2,
+    )
+    rollout = collect(
+        env,
+        fake_agents(2),
+        [{"prompt": "p0"}],
+        engine=CountingEngine(),
+        num_turns=2,
+        max_children=1,
+        discount=0.5,
+        generator=torch.Generator().manual_seed(0),
+        **COMMON,
+    )
+    expanded = [k for k in range(2) if rollout.child[0, k] >= 0]
+    assert len(expanded) == 1 and not rollout.done[0].any()
+    root = 1 + 0.5 * (4.0, 8.0)[expanded[0]]
+    assert rollout.node_returns[0].tolist() == [[root, root]] * 2
+    same = with_rewards(rollout, rollout.rewards, discount=0.5)
+    assert torch.equal(same.node_returns, rollout.node_returns)
+    assert all(torch.equal(x, y) for x, y in zip(same.returns, rollout.returns))
+    less = rollout.rewards.clone()
+    less[1] -= 1
+    assert with_rewards(rollout, less, discount=0.5).node_returns[0].tolist() == [[root - 0.5] * 2] * 2
+
+
+def test_episode_answers_follow_each_root_joint_action_then_the_first_joint_action_of_each_child():
+    """G = 2 aligned, two turns, the prompt-echoing engine; the next prompt after joint action (j0, j1) is t{j0}{j1}.
+    Episode k takes root joint action k (answers p0/a{i}s{k}), then the first joint action (0, 0) of the node that
+    joint action led to (prompt t{k}{k}): answers t{k}{k}/a{i}s0."""
+    env = FunctionEnv(
+        lambda a, b: [0.0] * len(a),
+        lambda item: item["prompt"],
+        2,
+        reward_call="batched",
+        transition=lambda item, completions, history: (
+            [f"t{sample(completions[0])}{sample(completions[1])}"] * 2
+        ),
+        num_turns=2,
+    )
+    items = [{"prompt": "p0"}]
+    rollout = collect(env, fake_agents(2), items, engine=CountingEngine(echo=True), num_turns=2, **COMMON)
+    assert episode_answers(rollout, items) == [
+        (items[0], [["p0/a0s0", "p0/a1s0"], ["t00/a0s0", "t00/a1s0"]]),
+        (items[0], [["p0/a0s1", "p0/a1s1"], ["t11/a0s0", "t11/a1s0"]]),
+    ]
+
+
+def test_max_joint_actions_covering_every_combination_is_the_full_cross_product_without_a_draw():
+    """G = 2, N = 2: G^N = 4 joint actions. max_joint_actions = 4 (or more) is every combination, in the order
+    max_joint_actions=None lists them, (0,0), (0,1), (1,0), (1,1), and draws nothing from the generator (a seeded
+    node's later draws, its max_children pick, stay those of the unbounded setting)."""
+    full = [[0, 0], [0, 1], [1, 0], [1, 1]]
+    for limit in (None, 4, 5):
+        generator = torch.Generator().manual_seed(3)
+        assert joint_action_indices(2, 2, "cross", limit, generator).tolist() == full
+        assert torch.equal(
+            torch.randperm(8, generator=generator),
+            torch.randperm(8, generator=torch.Generator().manual_seed(3)),
+        )
