@@ -615,9 +615,8 @@ class MARLHFTrainer(MAGRPOTrainer):
                         joint_observation(observations, answer[1]),
                     )
                 )
-        if (
-            self.data is not None
-        ):  # every shard's pairs, item by item (sorted is stable: an item's order stays)
+        # Every shard's pairs, item by item (sorted is stable: an item's pairs keep their order).
+        if self.data is not None:
             pairs_of = sorted((p for part in self.data.gather(pairs_of) for p in part), key=lambda p: p[0])
         return [c for _, c, _ in pairs_of], [r for _, _, r in pairs_of]
 
