@@ -1,12 +1,24 @@
-"""FunctionEnv and RewardFunction: calling conventions, keyword passing, weights and error messages (no models)."""
+"""FunctionEnv and RewardFunction: calling conventions, keyword passing, weights and error messages (no models).
+The tests after "gaps found by mutation testing" each pin a behaviour a mutant of envs.py once changed unseen."""
 
 import copy
+import math
 import re
 
 import pytest
+import torch
 
 from comarl.config import ConfigError
-from comarl.envs import FunctionEnv, RewardFunction, RewardFunctionError, StepResult
+from comarl.envs import (
+    FunctionEnv,
+    RewardFunction,
+    RewardFunctionError,
+    StepResult,
+    check_weights,
+    comlrl_transition,
+    prompt_text,
+)
+from comarl.rollout import _per_agent_reward, _per_agent_rewards
 
 ITEM_X = {"q": "x", "answer": 3}
 ITEM_Y = {"q": "y", "answer": 5}
@@ -326,8 +338,8 @@ def test_reward_weights_length_mismatch():
 # ----------------------------------------------------------------------------- errors
 
 
-def _step_with(func):
-    env = FunctionEnv(func, FORMATTERS, num_agents=2)
+def _step_with(func, **kwargs):
+    env = FunctionEnv(func, FORMATTERS, num_agents=2, **kwargs)
     env.reset(ITEM_X)
     return env.step(("p", "q"))
 
@@ -439,12 +451,6 @@ def test_success_threshold_sets_info_success():
     )
 
 
-def test_success_uses_mean_over_agents():
-    env = FunctionEnv(lambda a, b: [[1.0, 0.0]], FORMATTERS, num_agents=2, success_threshold=0.5)
-    env.reset(ITEM_X)
-    assert env.step(("p", "q")).info == {"success": True}  # (1 + 0) / 2 = 0.5 >= 0.5
-
-
 # ----------------------------------------------------------------------------- CoMLRL compatibility
 
 
@@ -454,3 +460,291 @@ def test_comlrl_readme_lambda():
     env = FunctionEnv(readme, FORMATTERS, num_agents=2, reward_call="per_joint_action")
     results = env.step_many(_episodes(env, [ITEM_X]), [[("ab", "abcdef"), ("abc", "abcdef")]])
     assert _rewards(results) == [[[0.0, 0.0], [1.0, 1.0]]]
+
+
+# ============================================================================= gaps found by mutation testing
+
+
+# ----------------------------------------------------------------------------- processor, weights and success
+
+
+def test_reward_processor_is_applied_to_each_function_before_its_weight():
+    """A clipping processor min(r, 1) tells the three orders apart (a linear one, as in test_rewards.py, cannot):
+    per function, then weighted: 0.5 * min(2, 1) + 0.5 * min(0, 1) = 0.5;
+    on the weighted sum: min(0.5 * 2 + 0.5 * 0, 1) = 1.0; after the weight: min(1, 1) + min(0, 1) = 1.0."""
+
+    def two(a, b):
+        return [2.0]
+
+    def zero(a, b):
+        return [0.0]
+
+    result = _step_with([two, zero], reward_weights=[0.5, 0.5], reward_processor=lambda r: min(r, 1.0))
+    assert result.rewards == [0.5, 0.5]
+    assert result.components == {"two": 2.0, "zero": 0.0}  # components are the functions' own values
+
+
+def test_success_is_the_mean_over_agents_not_one_agents_reward():
+    # per-agent [0, 1], threshold 0.5: mean 0.5 >= 0.5 -> success (agent 0's 0 would fail, agent 1's 1 pass)
+    assert _step_with(lambda a, b: [[0.0, 1.0]], success_threshold=0.5).info == {"success": True}
+    # per-agent [1, 0], threshold 0.75: mean 0.5 < 0.75 -> no success (agent 0's or the best agent's 1 would pass)
+    assert _step_with(lambda a, b: [[1.0, 0.0]], success_threshold=0.75).info == {"success": False}
+
+
+def test_success_threshold_judges_the_weighted_reward():
+    """README: success_threshold turns the (weighted) reward into a success rate. Weighted: 0.25 * 1 + 0.75 * 0 =
+    0.25 < 0.5 -> False; the unweighted sum of the components (1 + 0 = 1) would pass."""
+
+    def one(a, b):
+        return [1.0]
+
+    def zero(a, b):
+        return [0.0]
+
+    result = _step_with([one, zero], reward_weights=[0.25, 0.75], success_threshold=0.5)
+    assert result.rewards == [0.25, 0.25]
+    assert result.info == {"success": False}
+
+
+# ----------------------------------------------------------------------------- keyword passing
+
+
+def test_a_column_named_prompts_or_batch_items_stays_in_batch_items():
+    """README: a column named prompts or batch_items does not replace the two lists; it stays in batch_items."""
+    item = {"q": "x", "prompts": "a column", "batch_items": "another column"}
+    seen = {}
+
+    def reward(a, b, prompts, batch_items):
+        seen.update(prompts=prompts, batch_items=batch_items)
+        return [0.0]
+
+    env = FunctionEnv(reward, FORMATTERS, num_agents=2)
+    env.reset(item)
+    env.step(("p", "q"))
+    assert seen == {"prompts": [["A: x"], ["B: x"]], "batch_items": [item]}
+
+
+def test_a_batched_call_refuses_a_column_some_items_lack():
+    """One call per joint action leaves a column out for an item that lacks it (the parameter's default applies);
+    one batched call over items of which some lack it would have passed None in its place and scored that item
+    otherwise ("Both give the same rewards" broke: answer=None against answer=0). It stops, naming the column,
+    the item and both fixes; a function that does not take the column is not concerned."""
+
+    def score(a, b, answer=0):
+        return (
+            [float(x == str(n)) for x, n in zip(a, answer)]
+            if isinstance(answer, list)
+            else [float(a[0] == "0")]
+        )
+
+    items = [ITEM_X, {"q": "z"}]
+    actions = [[("3", "-")], [("None", "-")]]
+    per_item = FunctionEnv(score, FORMATTERS, num_agents=2, reward_call="per_joint_action")
+    assert _rewards(per_item.step_many(_episodes(per_item, items), actions)) == [[[1.0, 1.0]], [[0.0, 0.0]]]
+    batched = FunctionEnv(score, FORMATTERS, num_agents=2, reward_call="batched")
+    with pytest.raises(
+        RewardFunctionError,
+        match=r"^reward function 'score' takes column 'answer', which item \{'q': 'z'\} lacks while others in the "
+        r"same batched call have it: give every item the column, or use reward_call='per_joint_action'",
+    ):
+        batched.step_many(_episodes(batched, items), actions)
+    lengths_only = FunctionEnv(lengths, FORMATTERS, num_agents=2, reward_call="batched")
+    assert _rewards(lengths_only.step_many(_episodes(lengths_only, items), actions)) == [
+        [[11.0] * 2],
+        [[14.0] * 2],
+    ]
+
+
+def test_keyword_only_parameters_get_their_columns():
+    def exact(a, b, *, answer, q="unused"):
+        return [[float(len(a[0]) == answer[0]), float(q == ["x"])]]
+
+    env = FunctionEnv(exact, FORMATTERS, num_agents=2)
+    env.reset(ITEM_X)
+    # len("abc") == 3 -> 1.0 for agent 0; q == ["x"] -> 1.0 for agent 1
+    assert env.step(("abc", "z")).rewards == [1.0, 1.0]
+    assert env.step(("ab", "z")).rewards == [0.0, 1.0]
+
+
+# ----------------------------------------------------------------------------- checks of returned values
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf")])
+def test_per_agent_rewards_are_checked_for_non_finite_values(bad):
+    with pytest.raises(
+        RewardFunctionError,
+        match=rf"'reward_0' returned {re.escape(repr(bad))} on {ITEM_X_TEXT}: rewards must be finite",
+    ):
+        _step_with(lambda a, b: [[1.0, bad]])
+
+
+def test_per_agent_rewards_are_checked_for_bools_and_strings():
+    with pytest.raises(RewardFunctionError, match=rf"'reward_0' returned True on {ITEM_X_TEXT}: .*not bools"):
+        _step_with(lambda a, b: [[1.0, True]])
+    with pytest.raises(RewardFunctionError, match=r"'reward_0' returned 'good' on .*must be finite"):
+        _step_with(lambda a, b: [[1.0, "good"]])
+
+
+def test_per_agent_rewards_with_too_few_values():
+    def one_of_two(a, b):
+        return [[1.0]]
+
+    with pytest.raises(
+        RewardFunctionError, match=r"'one_of_two' returned per-agent rewards \[1.0\] .*expected 2 values"
+    ):
+        _step_with(one_of_two)
+
+
+def test_tensor_rewards_are_read_as_lists():
+    # values exact in float32: a shared reward 0.25, then per-agent [1, 2]
+    assert _step_with(lambda a, b: torch.tensor([0.25])).rewards == [0.25, 0.25]
+    assert _step_with(lambda a, b: torch.tensor([[1.0, 2.0]])).rewards == [1.0, 2.0]
+
+
+def test_a_scalar_for_several_joint_actions_is_named_with_its_value():
+    """README: the error names the function, the item and the value (not "returned 1 values")."""
+
+    def half(a, b):
+        return 0.5
+
+    env = FunctionEnv(half, FORMATTERS, num_agents=2, reward_call="batched")
+    episode = copy.copy(env)
+    episode.reset(ITEM_X)
+    with pytest.raises(
+        RewardFunctionError, match=rf"'half' returned 0.5 on {ITEM_X_TEXT}: expected a list of 2 rewards"
+    ):
+        env.step_many([episode], [[("a", "b"), ("c", "d")]])
+
+
+# ----------------------------------------------------------------------------- stepping by hand, histories
+
+
+def always_continue(item, completions, history):
+    return [f"turn{len(history.responses[0]) + 1}"] * len(completions)
+
+
+def test_stepping_by_hand_returns_the_env_as_the_episode():
+    env = FunctionEnv(lambda a, b: [0.0], FORMATTERS, num_agents=2, transition=always_continue, num_turns=3)
+    env.reset(ITEM_X)
+    first = env.step(("x", "y"))
+    assert first.episode is env
+    first.episode.step(("x2", "y2"))  # continuing from the result continues the env
+    assert env.history.responses == [["x", "x2"], ["y", "y2"]]
+
+
+def test_reset_starts_a_fresh_history():
+    """After a two-turn episode stepped by hand, reset(another item) starts at turn 1: the first step goes on to
+    "turn2" (1 response so far < num_turns=2) with only the new responses in the history."""
+    env = FunctionEnv(lambda a, b: [0.0], FORMATTERS, num_agents=2, transition=always_continue, num_turns=2)
+    env.reset(ITEM_X)
+    env.step(("x", "y"))
+    env.reset({"q": "z"})
+    assert env.history.responses == [[], []]
+    result = env.step(("u", "v"))
+    assert (result.done, result.observations) == (False, ["turn2", "turn2"])
+    assert env.history.prompts == [["A: z"], ["B: z"]] and env.history.responses == [["u"], ["v"]]
+
+
+def test_chat_prompts_reach_rewards_and_histories_as_text():
+    chat = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "2+2?"}]
+    assert prompt_text(chat) == "be brief\n2+2?"
+    assert prompt_text("plain") == "plain"
+    seen = []
+
+    def reward(a, b, prompts):
+        seen.append(prompts)
+        return [0.0]
+
+    env = FunctionEnv(reward, lambda item: chat, num_agents=2, transition=always_continue, num_turns=2)
+    env.reset(ITEM_X)
+    env.step(("4", "four"))
+    assert seen == [[["be brief\n2+2?"], ["be brief\n2+2?"]]]
+    assert env.history.prompts == [["be brief\n2+2?"], ["be brief\n2+2?"]]
+
+
+# ----------------------------------------------------------------------------- comlrl_transition
+
+
+@pytest.mark.parametrize(
+    ("returned", "shown"),
+    [(["p1", "p2", "p3"], r"\['p1', 'p2', 'p3'\]"), (["only"], r"\['only'\]")],
+    ids=["three", "one"],
+)
+def test_a_comlrl_transition_with_the_wrong_count_is_reported_unformatted(returned, shown):
+    """The wrong count goes to FunctionEnv's check as returned (not through the formatters: a third prompt had no
+    formatter, IndexError; a single one came back formatted)."""
+
+    def external(prompt, agent_completions, num_agents, prompt_history_per_agent, response_history_per_agent):
+        return returned
+
+    fmt = [lambda item: f"[helper] {item['prompt']}", lambda item: f"[main] {item['prompt']}"]
+    transition = comlrl_transition(external, 2, fmt)
+    env = FunctionEnv(lambda a, b: [0.0], fmt, num_agents=2, transition=transition, num_turns=2)
+    env.reset({"prompt": "task"})
+    with pytest.raises(
+        ValueError, match=rf"^transition 'external' returned {shown} on item .*expected a list of 2 prompts"
+    ):
+        env.step(("x", "y"))
+
+
+# ----------------------------------------------------------------------------- check_weights
+
+
+def test_check_weights_accepts_zero_and_refuses_sums_other_than_one():
+    check_weights("T", {"a": 0.0, "b": 1.0}, ["a", "b"])  # >= 0: a zero weight switches a component off
+    check_weights("T", {"a": 0.25, "b": 0.75}, ["b", "a"])
+    for bad in ({"a": 0.5, "b": 0.25}, {"a": 0.75, "b": 0.75}):  # sums 0.75 and 1.5
+        with pytest.raises(ValueError, match=r"^T: weights .* must be numbers >= 0 that sum to 1"):
+            check_weights("T", bad, ["a", "b"])
+
+
+def test_check_weights_refuses_bools_and_nan():
+    # True sums to 1 and NaN passes both "< 0" and "abs(sum - 1) > 1e-6": only the type/finite check refuses them
+    for bad in ({"a": True}, {"a": math.nan}):
+        with pytest.raises(ValueError, match=r"^T: weights .* must be numbers >= 0 that sum to 1"):
+            check_weights("T", bad, ["a"])
+
+
+# ----------------------------------------------------------------------------- rollout: one reward per agent
+
+
+def test_a_step_with_too_few_rewards_is_refused():
+    with pytest.raises(
+        ValueError, match=r"^FunctionEnv.step returned 2 rewards for 3 agents \(here\): return one reward"
+    ):
+        _per_agent_reward(FunctionEnv(lambda *c: [0.0], num_agents=3), StepResult([1.0, 2.0]), 3, "here")
+
+
+def test_an_env_reward_is_a_finite_number_as_a_reward_functions_is():
+    """A number is the joint reward; a tensor's values are read as floats; a bool, NaN, inf or a string stops the
+    run naming the environment, the place and the value (an Env's rewards were not checked: a NaN went on into the
+    advantages, a bool became 1.0, StepResult(True) failed with "object of type 'bool' has no len()")."""
+    env = FunctionEnv(lambda a, b: [0.0], num_agents=2)
+    for given, expected in (
+        (0.5, [0.5, 0.5]),
+        (torch.tensor([0.25, 2.0]), [0.25, 2.0]),
+        ([1, 0], [1.0, 0.0]),
+    ):
+        result = StepResult(given)
+        _per_agent_reward(env, result, 2, "here")
+        assert result.rewards == expected and all(type(r) is float for r in result.rewards)
+    for bad, shown in (
+        (True, "True"),
+        ([1.0, False], "False"),
+        ([math.nan, 1.0], "nan"),
+        ([1.0, "1"], "'1'"),
+    ):
+        with pytest.raises(
+            ValueError,
+            match=rf"^FunctionEnv.step returned reward {shown} \(here\): rewards must be finite numbers, not bools",
+        ):
+            _per_agent_reward(env, StepResult(bad), 2, "here")
+    with pytest.raises(ValueError, match=r"returned reward inf \(item \{'prompt': 'b'\}, turn 2\)"):
+        _per_agent_rewards(env, [[StepResult([math.inf, 0.0])]], [{"prompt": "b"}], 1, 2)
+
+
+def test_a_wrong_reward_count_names_the_item_at_fault():
+    env = FunctionEnv(lambda a, b: [0.0], num_agents=2)
+    results = [[StepResult([1.0, 1.0])], [StepResult([1.0, 2.0, 3.0])]]
+    with pytest.raises(ValueError, match=r"\(item \{'prompt': 'b'\}, turn 1\)"):
+        _per_agent_rewards(env, results, [{"prompt": "a"}, {"prompt": "b"}], 0, 2)

@@ -237,6 +237,16 @@ class RewardFunction:
             for k, v in available.items()
             if (self._takes_all or k in self._keywords) and k not in self._completion_names
         }
+        for key in sorted(kwargs.keys() & columns - {"prompts", "batch_items"}):
+            lacking = next((item for item in items if key not in item), None)
+            if lacking is not None:
+                # One call per joint action would leave the column out for that item (the parameter's default):
+                # a None in its place would score it otherwise.
+                raise RewardFunctionError(
+                    f"reward function {self.name!r} takes column {key!r}, which item {short_repr(lacking)} lacks "
+                    f"while others in the same batched call have it: give every item the column, or use "
+                    "reward_call='per_joint_action' (one call per item, each with its own columns)"
+                )
         try:
             value = self.func(*[list(c) for c in completions], **kwargs)
         except Exception as exc:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -338,14 +339,30 @@ def _per_agent_rewards(
 
 
 def _per_agent_reward(env: Env, result: StepResult, num_agents: int, where: str) -> None:
-    """``result.rewards`` with one reward per agent: a joint reward (one for the team) is every agent's."""
-    if len(result.rewards) == 1:
-        result.rewards = list(result.rewards) * num_agents
-    elif len(result.rewards) != num_agents:
+    """``result.rewards`` as one float per agent: a joint reward (one for the team) is every agent's. Every reward
+    must be a finite number (a tensor's values too), not a bool: an environment's rewards are checked as a reward
+    function's are."""
+    rewards = result.rewards.tolist() if hasattr(result.rewards, "tolist") else result.rewards
+    if not isinstance(rewards, Sequence) or isinstance(rewards, str):
+        rewards = [rewards]
+    values = []
+    for r in rewards:
+        try:
+            value = math.nan if isinstance(r, (bool, str)) else float(r)
+        except (TypeError, ValueError):  # not a number at all
+            value = math.nan
+        if not math.isfinite(value):
+            raise ValueError(
+                f"{type(env).__name__}.step returned reward {short_repr(r)} ({where}): rewards must be finite "
+                "numbers, not bools; return float(...) of a condition"
+            )
+        values.append(value)
+    if len(values) not in (1, num_agents):
         raise ValueError(
-            f"{type(env).__name__}.step returned {len(result.rewards)} rewards for {num_agents} agents ({where}): "
+            f"{type(env).__name__}.step returned {len(values)} rewards for {num_agents} agents ({where}): "
             "return one reward per agent, or one for the team"
         )
+    result.rewards = values * num_agents if len(values) == 1 else values
 
 
 def episode_success(results: Sequence[Sequence[StepResult]], ended: torch.Tensor) -> torch.Tensor | None:
