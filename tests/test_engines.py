@@ -1,10 +1,12 @@
-"""The generation engine and the shared-prompt log-prob forward against transformers' own reference paths."""
+"""The generation engine and the shared-prompt log-prob forward against transformers' own reference paths. The
+tests after "gaps found by mutation testing" each pin a behaviour a mutant of engines.py or agents.py once changed
+unseen (the tiny fixtures' pad == EOS and RoPE positions hid several)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
-from transformers import GenerationConfig
+from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from comarl.agents import (
@@ -16,7 +18,14 @@ from comarl.agents import (
     checkpointing_on,
     set_activation_checkpointing,
 )
-from comarl.engines import HFEngine, SamplingParams, learned_position_limit, next_tokens, sampling_scores
+from comarl.engines import (
+    HFEngine,
+    SamplingParams,
+    learned_position_limit,
+    next_tokens,
+    sampling_scores,
+    seeded_draws,
+)
 
 PROMPTS = ["a", "def add(a, b): return a", "alice and bob meet at the"]
 
@@ -284,7 +293,8 @@ def test_generation_refuses_nan_logits(qwen_bpe, do_sample):
 
 @pytest.fixture(scope="module")
 def gpt2_bpe(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A GPT-2 model (learned absolute positions) with 64 of them."""
+    """A GPT-2 model with 64 learned absolute positions: position ids that ignore left padding change its output
+    (RoPE models such as the Qwen2 and Llama fixtures only see position differences)."""
     from comarl.tiny import tiny_model
 
     path = tmp_path_factory.mktemp("models") / "gpt2-bpe"
@@ -359,3 +369,287 @@ def test_a_model_that_ignores_the_cache_is_refused(qwen_bpe):
     completion = torch.ones(4, 3, dtype=torch.long)
     with pytest.raises(RuntimeError, match=message):
         agent.completion_logprobs(ids, mask, completion, torch.ones_like(completion))
+
+
+# ============================================================================= gaps found by mutation testing
+
+
+def eos_prone(agent: Agent, token: int, boost: float) -> torch.utils.hooks.RemovableHandle:
+    """Add ``boost`` to the logit of ``token`` (a hook on the model's output layer, so ``model.generate`` sees it too).
+    The tiny Qwen2 model repeats one token per prompt; with a boost of about 1 some prompts end and others do not."""
+    bias = torch.zeros(agent.model.config.vocab_size)
+    bias[token] = boost
+    return agent.model.get_output_embeddings().register_forward_hook(lambda module, args, out: out + bias)
+
+
+def reference_generate(agent: Agent, prompts: list[str], G: int, config: GenerationConfig) -> torch.Tensor:
+    ids, mask = agent.encode(prompts)
+    return agent.model.generate(
+        input_ids=ids.repeat_interleave(G, 0),
+        attention_mask=mask.repeat_interleave(G, 0),
+        generation_config=config,
+    )[:, ids.shape[1] :]
+
+
+@pytest.mark.parametrize(
+    ("pad", "ending", "boost", "lengths"),
+    [
+        ("eos", "tokenizer", 1.0, [3, 3, 8, 8, 3, 3]),
+        ("other", "tokenizer", 1.0, [3, 3, 8, 8, 3, 3]),
+        ("eos", "generation_config", 0.8, [3, 3, 8, 8, 6, 6]),
+    ],
+)
+def test_rows_end_at_their_eos_after_min_new_tokens_as_in_transformers_generate(
+    qwen_bpe, pad, ending, boost, lengths
+):
+    """An EOS-prone model, greedy, min_new_tokens = 2: the ids equal model.generate's (MinNewTokensLengthLogitsProcessor
+    and its pad-after-EOS), with rows ending mid-way (at step 2, the first allowed, or later) and others running to
+    max_new_tokens. The EOS itself stays in the row, pads follow it (also with a pad token other than EOS), the mask
+    covers up to and including the EOS, and the text is the decoded ids up to that EOS. The ending token is the
+    tokenizer's EOS, or a second EOS id (200) that only the model's generation_config names.
+
+    Mutations killed: EOS suppressed for one step too many / too few (``t <= min`` / ``t < min - 1``), rows not stopped
+    at EOS, a stopped row restarting, the loop stopping once any row ends, the pad written in place of the EOS, the
+    text decoded past the EOS, generate's mask built from the first EOS id only."""
+    tokenizer = AutoTokenizer.from_pretrained(qwen_bpe)
+    if pad == "other":
+        tokenizer.pad_token = tokenizer.convert_ids_to_tokens(5)
+    model = AutoModelForCausalLM.from_pretrained(qwen_bpe)
+    if ending == "generation_config":
+        model.generation_config.eos_token_id = [tokenizer.eos_token_id, 200]
+    agent = Agent(model, tokenizer)
+    pad_id, eos_ids = agent.tokenizer.pad_token_id, agent.eos_token_ids
+    assert (pad_id == eos_ids[0]) == (pad == "eos")
+    assert eos_ids == ([0] if ending == "tokenizer" else [0, 200])
+    hook = eos_prone(agent, eos_ids[-1], boost)
+    params = SamplingParams(max_new_tokens=8, min_new_tokens=2, do_sample=False)
+    gen = HFEngine().generate(agent, PROMPTS, 2, params)
+    config = GenerationConfig(
+        max_new_tokens=8, min_new_tokens=2, do_sample=False, eos_token_id=eos_ids, pad_token_id=pad_id
+    )
+    expected = reference_generate(agent, PROMPTS, 2, config)
+    hook.remove()
+    assert torch.equal(gen.completion_ids, expected)
+    assert gen.completion_mask.sum(dim=1).tolist() == lengths
+    for r, n in enumerate(lengths):
+        row = gen.completion_ids[r]
+        if n < 8:
+            assert row[n - 1] == eos_ids[-1] and not torch.isin(row[: n - 1], torch.tensor(eos_ids)).any()
+        assert (row[n:] == pad_id).all()
+        assert gen.completions[r] == agent.tokenizer.decode(row[:n], skip_special_tokens=True)
+
+
+def test_decoding_stops_when_every_row_has_ended(qwen_bpe):
+    """Every row ends with EOS at step 2 (min_new_tokens = 2, EOS-prone model): the completions are 3 tokens wide,
+    as model.generate's, not max_new_tokens (mutation killed: the ids returned untrimmed, 8 wide)."""
+    agent = Agent.from_pretrained(qwen_bpe)
+    hook = eos_prone(agent, agent.eos_token_ids[0], 1.0)
+    prompts = [PROMPTS[0], PROMPTS[2]]
+    gen = HFEngine().generate(
+        agent, prompts, 2, SamplingParams(max_new_tokens=8, min_new_tokens=2, do_sample=False)
+    )
+    config = GenerationConfig(
+        max_new_tokens=8,
+        min_new_tokens=2,
+        do_sample=False,
+        eos_token_id=agent.eos_token_ids,
+        pad_token_id=agent.tokenizer.pad_token_id,
+    )
+    expected = reference_generate(agent, prompts, 2, config)
+    hook.remove()
+    assert expected.shape == (4, 3)
+    assert torch.equal(gen.completion_ids, expected)
+
+
+def test_a_row_that_ended_stays_ended(qwen_bpe):
+    """Rows 0 and 1 are forced to EOS at step 2 (a hook on the third forward: prefill, steps 1 and 2) and EOS is
+    forbidden from then on (the tiny model copies its last token, so it would repeat the EOS): rows 0 and 1 hold pads
+    after their EOS while the other rows run on, as in model.generate, which calls the model in the same order
+    (mutation killed: ``running = ~isin(chosen, eos)``, a row that ended starts again once it draws anything else)."""
+    agent = Agent.from_pretrained(qwen_bpe)
+    eos, pad = agent.eos_token_ids[0], agent.tokenizer.pad_token_id
+    calls = []
+
+    def end_rows_0_and_1_at_step_2_only(module, args, out):  # noqa: ANN001, ANN202
+        calls.append(None)
+        out = out.clone()
+        if len(calls) == 3:
+            out[:2, -1, eos] = 1e4
+        elif len(calls) > 3:
+            out[..., eos] = -1e4
+        return out
+
+    hook = agent.model.get_output_embeddings().register_forward_hook(end_rows_0_and_1_at_step_2_only)
+    gen = HFEngine().generate(agent, PROMPTS, 2, SamplingParams(max_new_tokens=6, do_sample=False))
+    calls.clear()
+    config = GenerationConfig(
+        max_new_tokens=6, do_sample=False, eos_token_id=agent.eos_token_ids, pad_token_id=pad
+    )
+    expected = reference_generate(agent, PROMPTS, 2, config)
+    hook.remove()
+    assert torch.equal(gen.completion_ids, expected)
+    assert gen.completion_ids[:2, 2].tolist() == [eos, eos] and (gen.completion_ids[:2, 3:] == pad).all()
+    assert gen.completion_mask.sum(dim=1).tolist() == [3, 3, 6, 6, 6, 6]
+
+
+def test_seeded_sampling_equals_a_per_row_loop_over_the_unpadded_prompt(qwen_bpe):
+    """With seeds, row r = b * G + j at step t is next_tokens(logits, draw = seeded_draws(seeds)[r, t]) where the logits
+    come from a plain forward of prompt b alone (no padding, no cache) followed by the row's own earlier tokens, under
+    temperature, top-k, top-p and min_new_tokens together.
+
+    Mutations killed: one uniform reused at every step, the first-step logits or the KV cache of another prompt given
+    to a row (tiled instead of interleaved), pads attended in the prefill or the decode steps."""
+    agent = Agent.from_pretrained(qwen_bpe)
+    G, seeds = 3, [11, 7, 5]
+    params = SamplingParams(max_new_tokens=6, min_new_tokens=1, temperature=0.7, top_k=40, top_p=0.9)
+    gen = HFEngine().generate(agent, PROMPTS, G, params, seeds=seeds)
+    draws = seeded_draws(seeds, G, params.max_new_tokens, "cpu")
+    eos = torch.tensor(agent.eos_token_ids)
+    expected = torch.full((len(PROMPTS) * G, params.max_new_tokens), agent.tokenizer.pad_token_id)
+    with torch.no_grad():
+        for r in range(len(PROMPTS) * G):
+            ids = agent.tokenizer(PROMPTS[r // G], return_tensors="pt")["input_ids"]
+            for t in range(params.max_new_tokens):
+                logits = agent.model(input_ids=ids).logits[:, -1]
+                token = next_tokens(
+                    logits, params, eos, t < params.min_new_tokens, draw=draws[r : r + 1, t : t + 1]
+                )
+                expected[r, t] = token
+                if token in eos:
+                    break
+                ids = torch.cat([ids, token[:, None]], dim=1)
+    assert torch.equal(gen.completion_ids, expected[:, : gen.completion_ids.shape[1]])
+    assert (expected[:, gen.completion_ids.shape[1] :] == agent.tokenizer.pad_token_id).all()
+    assert len({tuple(row.tolist()) for row in gen.completion_ids}) > G  # really sampled
+
+
+def test_greedy_decoding_of_a_model_with_learned_positions_equals_transformers_generate(gpt2_bpe):
+    """GPT-2 adds a learned embedding per position id: left-padded prompts must take the ids of the mask
+    (cumsum - 1), as model.generate does, not 0..P-1, and decoding continues from the last one + 1 (mutations killed:
+    positions ignore left padding, decode positions off by one, another prompt's positions given to a row; the
+    Qwen2/Llama comparison in test_engines misses them: RoPE depends only on position differences, and the tiny
+    models' greedy tokens hardly depend on positions)."""
+    agent = Agent.from_pretrained(gpt2_bpe)
+    params = SamplingParams(max_new_tokens=6, do_sample=False)
+    gen = HFEngine().generate(agent, PROMPTS, 2, params)
+    config = GenerationConfig(
+        max_new_tokens=6,
+        do_sample=False,
+        eos_token_id=agent.eos_token_ids,
+        pad_token_id=agent.tokenizer.pad_token_id,
+    )
+    expected = reference_generate(agent, PROMPTS, 2, config)
+    assert torch.equal(gen.completion_ids, expected[:, : gen.completion_ids.shape[1]])
+
+
+def per_row_logprobs(agent: Agent, gen, temperature: float) -> list[torch.Tensor]:  # noqa: ANN001
+    """Each row's scored log-probs from a forward over its unpadded prompt + scored completion alone."""
+    rows = []
+    for r in range(gen.prompt_ids.shape[0]):
+        prompt = gen.prompt_ids[r][gen.prompt_mask[r].bool()]
+        n = int(gen.completion_mask[r].sum())
+        completion = gen.completion_ids[r, :n]
+        logits = agent.model(input_ids=torch.cat([prompt, completion])[None]).logits[0, len(prompt) - 1 : -1]
+        rows.append(torch.log_softmax(logits / temperature, -1).gather(-1, completion[:, None]).squeeze(-1))
+    return rows
+
+
+@pytest.mark.parametrize("shared", [True, False])
+def test_completion_logprobs_divide_by_the_temperature_on_both_paths(qwen_bpe, shared):
+    """log softmax(logits / T)[token] at T = 0.6, on the shared-prompt path (rows repeat a prompt) and on the plain
+    one (every prompt distinct), each against a per-row forward (mutations killed: T dropped on either path)."""
+    agent = Agent.from_pretrained(qwen_bpe)
+    torch.manual_seed(0)
+    gen = HFEngine().generate(agent, PROMPTS, 2 if shared else 1, SamplingParams(max_new_tokens=5))
+    assert (_shared_prompts(gen.prompt_ids, gen.prompt_mask) is not None) == shared
+    with torch.no_grad():
+        got = agent.completion_logprobs(
+            gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask, temperature=0.6
+        )
+        expected = per_row_logprobs(agent, gen, 0.6)
+    for r, row in enumerate(expected):
+        torch.testing.assert_close(got[r, : len(row)], row, atol=1e-5, rtol=1e-4)
+
+
+def test_completion_logprobs_of_a_model_with_learned_positions_follow_the_mask(gpt2_bpe):
+    """GPT-2 log-probs of left-padded rows equal each row's unpadded forward (mutation killed: scoring position ids
+    0..P+T-1 instead of the mask's cumsum - 1; invisible to RoPE models)."""
+    agent = Agent.from_pretrained(gpt2_bpe)
+    torch.manual_seed(0)
+    gen = HFEngine().generate(agent, PROMPTS, 2, SamplingParams(max_new_tokens=5))
+    with torch.no_grad():
+        got = agent.completion_logprobs(
+            gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask
+        )
+        expected = per_row_logprobs(agent, gen, 1.0)
+    for r, row in enumerate(expected):
+        torch.testing.assert_close(got[r, : len(row)], row, atol=1e-5, rtol=1e-4)
+
+
+def test_prompts_of_equal_ids_but_different_masks_are_not_shared(qwen_bpe):
+    """pad == EOS: "<|endoftext|>alice" and the one token shorter "alice" left-padded with EOS encode to the same ids
+    with different masks (chat templates put EOS in prompts). They are two prompts: each row's log-probs equal its
+    own unpadded forward (mutation killed: distinct prompts found from the ids alone, so the "alice" rows got the
+    cache of the prompt that attends to the EOS)."""
+    agent = Agent.from_pretrained(qwen_bpe)
+    eos = agent.tokenizer.eos_token
+    prompts = [f"{eos}alice", "alice"]
+    ids, mask = agent.encode(prompts)
+    assert torch.equal(ids[0], ids[1]) and not torch.equal(mask[0], mask[1])
+    distinct, row_to_prompt = _shared_prompts(ids.repeat_interleave(2, 0), mask.repeat_interleave(2, 0))
+    assert len(distinct) == 2 and row_to_prompt[0] != row_to_prompt[2]
+    torch.manual_seed(0)
+    gen = HFEngine().generate(agent, prompts, 2, SamplingParams(max_new_tokens=4, min_new_tokens=4))
+    with torch.no_grad():
+        got = agent.completion_logprobs(
+            gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask
+        )
+        expected = per_row_logprobs(agent, gen, 1.0)
+    for r, row in enumerate(expected):
+        torch.testing.assert_close(got[r, : len(row)], row, atol=1e-5, rtol=1e-4)
+
+
+def test_generation_rows_pair_each_completion_with_its_own_prompt(qwen_bpe):
+    """Row b * G + j holds prompt b's ids and mask (mutation killed: ``repeat`` instead of ``repeat_interleave``,
+    which paired completions with other prompts while gen.prompts stayed right)."""
+    agent = Agent.from_pretrained(qwen_bpe)
+    gen = HFEngine().generate(agent, PROMPTS, 2, SamplingParams(max_new_tokens=2, do_sample=False))
+    ids, mask = agent.encode(PROMPTS)
+    assert torch.equal(gen.prompt_ids, ids.repeat_interleave(2, 0))
+    assert torch.equal(gen.prompt_mask, mask.repeat_interleave(2, 0))
+
+
+def test_greedy_scores_are_the_logits_whatever_the_sampling_settings():
+    """Greedy decoding gets the logits with only the EOS rule applied (sampling_scores' docstring): no temperature
+    (here 0, which SamplingParams allows with do_sample=False: dividing would give inf and NaN), no top-k / top-p
+    (mutation killed: the temperature applied before the greedy return)."""
+    logits = torch.tensor([[2.0, -1.0, 0.0, 0.5]])
+    eos = torch.tensor([9])
+    for temperature in (0.0, 0.5):
+        params = SamplingParams(temperature=temperature, top_k=1, top_p=0.1, do_sample=False)
+        assert torch.equal(sampling_scores(logits, params, eos), logits)
+        assert next_tokens(logits, params, eos).tolist() == [0]
+
+
+def test_top_k_of_zero_filters_nothing():
+    """top_k = 0 is "off" (SamplingParams and the config say so): scores unchanged (mutation killed:
+    ``if top_k is not None`` ran torch.topk with k = 0 and failed)."""
+    logits = torch.tensor([[0.5, -1.0, 2.0]])
+    assert torch.equal(sampling_scores(logits, SamplingParams(top_k=0), torch.tensor([9])), logits)
+
+
+def test_the_draw_is_from_the_filtered_distribution():
+    """p = [.1, .2, .3, .4] (logits log p), top_k = 2 keeps tokens 2 and 3 renormalised to [3/7, 4/7]:
+    cdf = [0, 0, 3/7, 1] and u = 1 - U.
+        U = 0.5  -> u = .5  -> token 3 (3/7 = .4286 < .5)
+        U = 0.6  -> u = .4  -> token 2
+        U = 0.95 -> u = .05 -> token 2 (unfiltered: cdf [.1, .3, .6, 1] -> token 0)
+    top_p = 0.5 keeps the smallest set from the top reaching 0.5 (ascending cumsum [.1, .3, .6, 1]: drop <= .5,
+    i.e. tokens 0 and 1): the same two tokens, the same answers. Mutation killed: the CDF built from the raw logits
+    (filters ignored by the draw)."""
+    logits = torch.log(torch.tensor([[0.1, 0.2, 0.3, 0.4]])).expand(3, 4)
+    draw = torch.tensor([[0.5], [0.6], [0.95]])
+    eos = torch.tensor([9])
+    for params in (SamplingParams(top_k=2), SamplingParams(top_p=0.5)):
+        assert next_tokens(logits, params, eos, draw=draw).tolist() == [3, 2, 2]
+    assert next_tokens(logits, SamplingParams(), eos, draw=draw).tolist() == [2, 2, 0]
