@@ -542,16 +542,22 @@ def test_greedy_decoding_of_a_model_with_learned_positions_equals_transformers_g
     assert torch.equal(gen.completion_ids, expected[:, : gen.completion_ids.shape[1]])
 
 
-def per_row_logprobs(agent: Agent, gen, temperature: float) -> list[torch.Tensor]:  # noqa: ANN001
-    """Each row's scored log-probs from a forward over its unpadded prompt + scored completion alone."""
-    rows = []
-    for r in range(gen.prompt_ids.shape[0]):
-        prompt = gen.prompt_ids[r][gen.prompt_mask[r].bool()]
-        n = int(gen.completion_mask[r].sum())
-        completion = gen.completion_ids[r, :n]
-        logits = agent.model(input_ids=torch.cat([prompt, completion])[None]).logits[0, len(prompt) - 1 : -1]
-        rows.append(torch.log_softmax(logits / temperature, -1).gather(-1, completion[:, None]).squeeze(-1))
-    return rows
+def assert_logprobs_equal_per_row_forwards(agent: Agent, gen, temperature: float = 1.0) -> None:  # noqa: ANN001
+    """``agent.completion_logprobs`` of ``gen``'s rows equal, row by row, log softmax(logits / T) of a forward over
+    the row's unpadded prompt + scored completion alone."""
+    with torch.no_grad():
+        got = agent.completion_logprobs(
+            gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask, temperature=temperature
+        )
+        for r in range(gen.prompt_ids.shape[0]):
+            prompt = gen.prompt_ids[r][gen.prompt_mask[r].bool()]
+            n = int(gen.completion_mask[r].sum())
+            completion = gen.completion_ids[r, :n]
+            logits = agent.model(input_ids=torch.cat([prompt, completion])[None]).logits[
+                0, len(prompt) - 1 : -1
+            ]
+            row = torch.log_softmax(logits / temperature, -1).gather(-1, completion[:, None]).squeeze(-1)
+            torch.testing.assert_close(got[r, :n], row, atol=1e-5, rtol=1e-4)
 
 
 @pytest.mark.parametrize("shared", [True, False])
@@ -562,13 +568,7 @@ def test_completion_logprobs_divide_by_the_temperature_on_both_paths(qwen_bpe, s
     torch.manual_seed(0)
     gen = HFEngine().generate(agent, PROMPTS, 2 if shared else 1, SamplingParams(max_new_tokens=5))
     assert (_shared_prompts(gen.prompt_ids, gen.prompt_mask) is not None) == shared
-    with torch.no_grad():
-        got = agent.completion_logprobs(
-            gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask, temperature=0.6
-        )
-        expected = per_row_logprobs(agent, gen, 0.6)
-    for r, row in enumerate(expected):
-        torch.testing.assert_close(got[r, : len(row)], row, atol=1e-5, rtol=1e-4)
+    assert_logprobs_equal_per_row_forwards(agent, gen, temperature=0.6)
 
 
 def test_completion_logprobs_of_a_model_with_learned_positions_follow_the_mask(gpt2_bpe):
@@ -577,13 +577,7 @@ def test_completion_logprobs_of_a_model_with_learned_positions_follow_the_mask(g
     agent = Agent.from_pretrained(gpt2_bpe)
     torch.manual_seed(0)
     gen = HFEngine().generate(agent, PROMPTS, 2, SamplingParams(max_new_tokens=5))
-    with torch.no_grad():
-        got = agent.completion_logprobs(
-            gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask
-        )
-        expected = per_row_logprobs(agent, gen, 1.0)
-    for r, row in enumerate(expected):
-        torch.testing.assert_close(got[r, : len(row)], row, atol=1e-5, rtol=1e-4)
+    assert_logprobs_equal_per_row_forwards(agent, gen)
 
 
 def test_prompts_of_equal_ids_but_different_masks_are_not_shared(qwen_bpe):
@@ -600,13 +594,7 @@ def test_prompts_of_equal_ids_but_different_masks_are_not_shared(qwen_bpe):
     assert len(distinct) == 2 and row_to_prompt[0] != row_to_prompt[2]
     torch.manual_seed(0)
     gen = HFEngine().generate(agent, prompts, 2, SamplingParams(max_new_tokens=4, min_new_tokens=4))
-    with torch.no_grad():
-        got = agent.completion_logprobs(
-            gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask
-        )
-        expected = per_row_logprobs(agent, gen, 1.0)
-    for r, row in enumerate(expected):
-        torch.testing.assert_close(got[r, : len(row)], row, atol=1e-5, rtol=1e-4)
+    assert_logprobs_equal_per_row_forwards(agent, gen)
 
 
 def test_generation_rows_pair_each_completion_with_its_own_prompt(qwen_bpe):
