@@ -512,28 +512,25 @@ def test_constant_schedule_and_warmup_ratio_by_hand():
     assert _factors(6, warmup_ratio=0.25, warmup_steps=3)[:4] == [0.25, 0.5, 0.75, 1.0]
 
 
+def _one_agent(model, **settings):
+    """MAGRPO with one agent of ``model``, rewarded by its answer's length: 2 prompts x 2 samples of 2 tokens."""
+    return MAGRPOTrainer(
+        model=model,
+        num_agents=1,
+        train_dataset=DATA,
+        reward_func=lambda c: [len(x) for x in c],
+        args=MAGRPOConfig(
+            prompts_per_step=2, num_generations=2, max_new_tokens=2, progress_bar=False, **settings
+        ),
+    )
+
+
 def test_magrpo_schedule_spans_every_iteration_step(qwen_bpe):
     """MAGRPO's decay runs over steps x num_iterations optimizer steps (mutation: num_iterations left out).
     max_steps 2, num_iterations 2, linear: total 4, factor(s) = 1 - s / 4 -> [1, .75, .5, .25, 0]
     (mutation: total 2 -> [1, .5, 0, 0, 0]).
     """
-    from comarl import MAGRPOTrainer
-
-    trainer = MAGRPOTrainer(
-        model=qwen_bpe,
-        num_agents=1,
-        train_dataset=DATA,
-        reward_func=lambda c: [len(x) for x in c],
-        args=MAGRPOConfig(
-            prompts_per_step=2,
-            num_generations=2,
-            max_new_tokens=2,
-            max_steps=2,
-            num_iterations=2,
-            lr_scheduler_type="linear",
-            progress_bar=False,
-        ),
-    )
+    trainer = _one_agent(qwen_bpe, max_steps=2, num_iterations=2, lr_scheduler_type="linear")
     factor = trainer.schedulers[0].lr_lambdas[0]
     assert [factor(s) for s in range(5)] == [1.0, 0.75, 0.5, 0.25, 0.0]
 
@@ -542,23 +539,9 @@ def test_magrpo_passes_the_lower_and_upper_clip_in_order(qwen_bpe, monkeypatch):
     """epsilon .1 is the lower clip (ratio >= .9) and epsilon_high .3 the upper (ratio <= 1.3) in the policy loss
     (mutation: the two swapped in MAGRPO's call of clipped_surrogate, clip range [.7, 1.1])."""
     import comarl.trainers.magrpo as magrpo
-    from comarl import MAGRPOTrainer
     from comarl.engines import HFEngine, SamplingParams
 
-    trainer = MAGRPOTrainer(
-        model=qwen_bpe,
-        num_agents=1,
-        train_dataset=DATA,
-        reward_func=lambda c: [len(x) for x in c],
-        args=MAGRPOConfig(
-            prompts_per_step=2,
-            num_generations=2,
-            max_new_tokens=2,
-            epsilon=0.1,
-            epsilon_high=0.3,
-            progress_bar=False,
-        ),
-    )
+    trainer = _one_agent(qwen_bpe, epsilon=0.1, epsilon_high=0.3)
     seen, surrogate = [], magrpo.clipped_surrogate
 
     def spy(logprobs, old_logprobs, advantages, epsilon, epsilon_high=None, mask=None):
