@@ -168,6 +168,42 @@ def test_shared_weights_train_and_are_checked(qwen_bpe, llama_word):
         comarl.MADPOConfig(share_weights=True)
 
 
+def test_one_model_object_in_every_role_trains_as_its_path_does(qwen_bpe):
+    """share_weights=True with model=<a model object> refused it (only a hub id or path could be shared) after
+    model= had been deep-copied for agent 1; now the object is the one model of every role, and trains exactly as
+    the same model named by its path."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    settings = dict(share_weights=True, max_steps=1, num_generations=2, prompts_per_step=2, max_new_tokens=4)
+    args = MAGRPOConfig(learning_rate=1e-3, progress_bar=False, reward_call="batched", seed=2, **settings)
+    named = MAGRPOTrainer(
+        model=qwen_bpe, num_agents=2, train_dataset=DATA, reward_func=length_reward, args=args
+    )
+    expected = named.train()
+    model = AutoModelForCausalLM.from_pretrained(qwen_bpe)
+    trainer = MAGRPOTrainer(
+        model=model,
+        num_agents=2,
+        tokenizer=AutoTokenizer.from_pretrained(qwen_bpe),
+        train_dataset=DATA,
+        reward_func=length_reward,
+        args=args,
+    )
+    metrics = trainer.train()
+    assert trainer.team[0].model is model and trainer.team[1].model is model
+    assert trainer.team[0].tokenizer is not trainer.team[1].tokenizer  # each role pads its own copy
+    assert metrics["agent_0/loss"] == expected["agent_0/loss"] and metrics["reward"] == expected["reward"]
+    assert _same(_weights(trainer.team[0]), _weights(named.team[0]))
+    with pytest.raises(ConfigError, match="share_weights=True: every agent must name the same model"):
+        MAGRPOTrainer(
+            agents=[model, copy.deepcopy(model)],
+            tokenizer=AutoTokenizer.from_pretrained(qwen_bpe),
+            train_dataset=DATA,
+            reward_func=length_reward,
+            args=args,
+        )
+
+
 def test_a_team_that_shares_one_model_trains_as_share_weights(qwen_bpe):
     """Team(share_weights=True) could not be trained: the config's share_weights=False rebuilt the team (refused as
     two agents holding one model) and share_weights=True took only model names, not agents."""

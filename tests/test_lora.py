@@ -242,6 +242,43 @@ def test_shared_base_team_trains_exactly_like_separate_lora_agents(qwen_bpe, tmp
         )
 
 
+def test_shared_base_from_a_model_object(qwen_bpe):
+    """lora_shared_base=True with model=<a model object>: the object is the one base (it was refused, after a deep
+    copy per agent); one that already holds adapters is refused (every agent gets a new adapter)."""
+    from transformers import AutoTokenizer
+
+    from comarl.agents import add_lora
+
+    model = AutoModelForCausalLM.from_pretrained(qwen_bpe)
+    before = [p.detach().clone() for p in model.parameters()]
+    trainer = MAGRPOTrainer(
+        model=model,
+        num_agents=2,
+        tokenizer=AutoTokenizer.from_pretrained(qwen_bpe),
+        train_dataset=DATA,
+        reward_func=length_reward,
+        args=MAGRPOConfig(**lora_args(lora_shared_base=True, max_steps=1)),
+    )
+    trainer.train()
+    assert trainer.team[0].model.get_base_model() is model and trainer.team[1].model.get_base_model() is model
+    assert all(
+        torch.equal(p, q)
+        for p, q in zip(before, (p for n, p in model.named_parameters() if "lora_" not in n))
+    )
+    adapted = add_lora(AutoModelForCausalLM.from_pretrained(qwen_bpe), 4, 8, None)
+    with pytest.raises(
+        ConfigError, match=r"lora_shared_base=True: the model object \(\w+\) already holds peft adapters"
+    ):
+        MAGRPOTrainer(
+            model=adapted,
+            num_agents=2,
+            tokenizer=AutoTokenizer.from_pretrained(qwen_bpe),
+            train_dataset=DATA,
+            reward_func=length_reward,
+            args=MAGRPOConfig(**lora_args(lora_shared_base=True)),
+        )
+
+
 def test_shared_base_errors(qwen_bpe, llama_word):
     with pytest.raises(
         ConfigError, match="lora_shared_base=True shares a base between LoRA adapters: set lora_r="

@@ -137,7 +137,12 @@ class MAGRPOTrainer:
         _check_model_config(model_config)
         # CoMLRL's IAC / MAAC take the team size from args.num_agents alone.
         sources = _team_sources(
-            model, agent_model, agents, team, num_agents if num_agents is not None else args.num_agents
+            model,
+            agent_model,
+            agents,
+            team,
+            num_agents if num_agents is not None else args.num_agents,
+            shared=args.share_weights or args.lora_shared_base,
         )
         n = len(sources)
         if isinstance(tokenizer, (list, tuple)) and len(tokenizer) != n:
@@ -1413,7 +1418,11 @@ def set_seed_python_numpy(seed: int) -> None:
         pass
 
 
-def _team_sources(model: Any, agent_model: Any, agents: Any, team: Any, num_agents: int | None) -> list[Any]:
+def _team_sources(
+    model: Any, agent_model: Any, agents: Any, team: Any, num_agents: int | None, shared: bool = False
+) -> list[Any]:
+    """One source per agent (a hub id, a path, a model object or an Agent). ``shared``: the agents share one model
+    (``share_weights`` / ``lora_shared_base``), so a model object given as ``model=`` stays one object."""
     given = [
         name
         for name, v in (("model", model), ("agent_model", agent_model), ("agents", agents), ("team", team))
@@ -1434,7 +1443,7 @@ def _team_sources(model: Any, agent_model: Any, agents: Any, team: Any, num_agen
     n = 2 if num_agents is None else num_agents
     if n < 1:
         raise ConfigError(f"num_agents={n}: must be >= 1")
-    if not isinstance(base, (str, Path)) and n > 1:
+    if not isinstance(base, (str, Path)) and n > 1 and not shared:
         # One object cannot be n distinct agents: agent 0 trains it in place, the others train deep copies.
         return [base] + [copy.deepcopy(base) for _ in range(n - 1)]
     return [base] * n
@@ -1477,12 +1486,17 @@ def _load_agent(
 
 
 def _one_model(members: Sequence[Any], devices: list[str], field: str) -> Any:
-    """The model every member names (``lora_shared_base`` / ``share_weights`` need one), on one device."""
-    names = {str(m) if isinstance(m, (str, Path)) else None for m in members}
-    if None in names or len(names) != 1:
+    """The model every member names (``lora_shared_base`` / ``share_weights`` need one): the same hub id or path,
+    or the same model object, on one device."""
+    first = members[0]
+    if isinstance(first, (str, Path)):
+        same = all(isinstance(m, (str, Path)) and str(m) == str(first) for m in members)
+    else:
+        same = not isinstance(first, Agent) and all(m is first for m in members)
+    if not same:
         raise ConfigError(
-            f"{field}=True: every agent must name the same model (a hub id or path) so that they can share its "
-            f"weights; got {[m if isinstance(m, (str, Path)) else type(m).__name__ for m in members]}"
+            f"{field}=True: every agent must name the same model (a hub id, a path or one model object) so that they "
+            f"can share its weights; got {[m if isinstance(m, (str, Path)) else type(m).__name__ for m in members]}"
         )
     if len(set(devices)) != 1:
         raise ConfigError(f"{field}=True: the shared weights live on one device; agent_devices={devices}")
@@ -1510,7 +1524,15 @@ def _shared_base_agents(
     """``lora_shared_base``: the model every member names, loaded once, with one LoRA adapter per agent (adapter i
     from seed + 100 + i, as a separate LoRA agent's)."""
     source = _one_model(members, devices, "lora_shared_base")
-    if is_adapter_folder(str(source), dict((model_config or {}).get("model_kwargs", {}))):
+    if not isinstance(source, (str, Path)) and has_adapters(source):
+        raise ConfigError(
+            f"lora_shared_base=True: the model object ({type(source).__name__}) already holds peft adapters, and "
+            "every agent gets a new adapter on the shared base: give the base model (peft's get_base_model() after "
+            "merging or unloading the adapter), or train it without lora_shared_base"
+        )
+    if isinstance(source, (str, Path)) and is_adapter_folder(
+        str(source), dict((model_config or {}).get("model_kwargs", {}))
+    ):
         raise ConfigError(
             f"lora_shared_base=True: {source} is a saved LoRA agent (adapter_config.json), and every agent gets a new "
             "adapter on the shared base, so its adapter would be dropped: give the base model (its "
