@@ -80,6 +80,8 @@ def _weights(trainer):
         ("MAAC", {"num_turns": 2, "num_generations": 2}),
         # sampled evaluations between the steps; turns of 2 steps, the learner's schedule decaying over its own
         ("MAGRPO", {"alternate_agents_every": 2, "lr_scheduler_type": "linear", "eval_interval": 1}),
+        # a frozen agent's weights are not kept: they come from its source again
+        ("MAGRPO", {"frozen_agents": [1], "beta": 0.05}),
     ],
 )
 def test_resumed_run_equals_the_unbroken_run(qwen_bpe, tmp_path, name, overrides):
@@ -119,6 +121,9 @@ def test_resumed_run_equals_the_unbroken_run(qwen_bpe, tmp_path, name, overrides
         saved = torch.load(tmp_path / "b" / "checkpoints" / "step_2" / "process_0.pt", weights_only=False)
         names = [name for part in saved["trainer"]["agents"].values() for name in part["model"]]
         assert names and all(".lora_" in name for name in names)
+    if "frozen_agents" in overrides:  # never changed, so not kept (a 3 B frozen agent: 12 GB per checkpoint)
+        saved = torch.load(tmp_path / "b" / "checkpoints" / "step_2" / "process_0.pt", weights_only=False)
+        assert saved["trainer"]["agents"][1]["model"] is None and saved["trainer"]["agents"][0]["model"]
     # save_total_limit=2 keeps the newest two
     assert sorted(p.name for p in (tmp_path / "b" / "checkpoints").iterdir()) == ["step_2", "step_4"]
 

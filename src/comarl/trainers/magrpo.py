@@ -914,13 +914,19 @@ class MAGRPOTrainer:
 
     def checkpoint_state(self) -> dict[str, Any]:
         """What this process holds, for a checkpoint: its agents' weights, optimizers and schedules
-        (``comarl.checkpoint`` adds the global random streams; train()'s sampling streams follow from the step)."""
+        (``comarl.checkpoint`` adds the global random streams; train()'s sampling streams follow from the step).
+        A frozen agent's weights are not kept: they never change, and resume loads them from its source again (the
+        checkpoint checks that the source is the same), as it does a LoRA agent's base."""
         # shard_weights: each process holds its own share of the weights and of their AdamW state
         sharded = self.args.shard_weights
         return {
             "agents": {
                 i: {
-                    "model": self.once(saved_weights(self.team[i].model), sharded),
+                    "model": (
+                        None
+                        if i in self.args.frozen_agents
+                        else self.once(saved_weights(self.team[i].model), sharded)
+                    ),
                     "optimizer": self.once(
                         optimizer_state(self.optimizers[i]), sharded or is_sharded(self.optimizers[i])
                     ),
@@ -945,12 +951,13 @@ class MAGRPOTrainer:
                 f"{self.local}; resume with the same launch (agent_parallel and process count)"
             )
         for i, part in state["agents"].items():
-            load_weights(
-                self.team[i].model,
-                part["model"],
-                f"agent {i}",
-                "the same model (model= / agents=) and LoRA settings (lora_r, lora_target_modules)",
-            )
+            if part["model"] is not None:  # None: a frozen agent, whose weights are as its source loaded them
+                load_weights(
+                    self.team[i].model,
+                    part["model"],
+                    f"agent {i}",
+                    "the same model (model= / agents=) and LoRA settings (lora_r, lora_target_modules)",
+                )
             load_optimizer_state(self.optimizers[i], part["optimizer"], f"agent {i}")
             self.schedulers[i].load_state_dict(part["scheduler"])
 
