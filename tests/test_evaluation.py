@@ -18,6 +18,7 @@ from comarl.evaluation import (
     load_agents,
     pass_at_k,
     play_episodes,
+    play_pipeline,
     run_agent_paths,
     sampling_params,
     summarize,
@@ -74,6 +75,24 @@ def test_summarize_by_hand():
     assert no_flags == {"reward": 1.0}
 
 
+def test_summarize_skips_what_some_records_lack():
+    """A success flag missing from one record drops success and pass@k; a component is averaged over the records
+    that report it, and one that no record reports (all NaN) is left out, not divided by zero."""
+    records = [
+        {"success": True, "reward": 1.0, "components": {"tests": 1.0, "style": math.nan}},
+        {"success": None, "reward": 0.0, "components": {"style": math.nan}},
+        {"success": False, "reward": 0.5, "components": {"tests": 0.25}},
+    ]
+    assert summarize(records, 1, [1]) == {"reward": 0.5, "reward/tests": 0.625}
+
+
+def test_summarize_lists_the_components_in_name_order():
+    """The table and the JSON list the metrics in one fixed order, whatever the hash seed."""
+    names = ["total", "style", "length", "coordination", "brevity", "accuracy", "zeal", "fluency"]
+    metrics = summarize([{"success": None, "reward": 0.0, "components": dict.fromkeys(names, 0.0)}], 1, [1])
+    assert list(metrics) == ["reward"] + [f"reward/{name}" for name in sorted(names)]
+
+
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
@@ -97,6 +116,8 @@ def test_summarize_by_hand():
         (dict(task="math"), r"task='math' \(--task\)"),
         (dict(num_samples=0, k_values=[]), r"num_samples=0 \(--samples\): must be >= 1"),
         (dict(num_turns=3), r"num_turns=3 \(--turns\): the writing task is single-turn; use --turns 1"),
+        (dict(task="code", num_turns=0), r"^num_turns=0 \(--turns\): must be >= 1$"),
+        (dict(k_values=[]), r"^k_values \(--k\): give at least one k, e.g. --k 1$"),
         (
             dict(task="demo", num_turns=2),
             r"^num_turns=2 \(--turns\): the demo task is single-turn; use --turns 1$",
@@ -191,6 +212,47 @@ def test_single_mode_splits_one_models_answer(team):
         assert sample["components"] == pytest.approx(components)
 
 
+def test_given_items_are_cut_to_the_limit_and_the_source_is_reported(team):
+    """``items`` (the CLI loads them first) still obey ``limit``; the result names the source asked for, and every
+    answer stops at ``max_new_tokens`` (one word a token for the word-level tiny models)."""
+    items = writing.load_items("eval")
+    result = evaluate_task("writing", team, "team", items=items, limit=1, source="tldr", max_new_tokens=2)
+    assert result["num_items"] == 1 and [s["id"] for s in result["samples"]] == ["local-3"]
+    assert result["source"] == "tldr" and result["temperature"] is None
+    (answers,) = [s["turns"][0]["completions"] for s in result["samples"]]
+    assert all(len(answer.split()) <= 2 for answer in answers)
+
+
+def test_no_items_is_a_config_error(team, monkeypatch):
+    """An empty source or an empty ``items`` list stops with the flags to change, not a ZeroDivisionError."""
+    from comarl.evaluation import task_items
+
+    monkeypatch.setattr(writing, "load_items", lambda split, source: [])
+    with pytest.raises(
+        ConfigError, match=r"^no items to evaluate: task 'writing', split 'train' \(--split\), "
+    ):
+        task_items("writing", "train")
+    with pytest.raises(ConfigError, match=r"^evaluate_task\(items=\[\]\): no items to evaluate"):
+        evaluate_task("writing", team, "team", items=[])
+
+
+def test_the_environment_is_closed_when_playing_fails(team, monkeypatch):
+    """The code task's environment holds a sandbox pool: it is closed even when an episode raises."""
+    closed = []
+
+    class Failing(writing.WritingCollabEnv):
+        def step_many(self, episodes, joint_actions):
+            raise RuntimeError("the scorer crashed")
+
+        def close(self):
+            closed.append(True)
+
+    monkeypatch.setattr(writing, "make_env", lambda num_agents, num_turns: Failing(num_agents))
+    with pytest.raises(RuntimeError, match="the scorer crashed"):
+        _run(team, "team", limit=1, max_new_tokens=2)
+    assert closed == [True]
+
+
 def test_pipeline_mode_shows_agent_0s_answer_to_agent_1(team):
     result = _run(team, "pipeline")
     items = writing.load_items("eval")[:2]
@@ -259,6 +321,63 @@ def test_agent_0_answers_alike_in_team_and_pipeline_modes(team):
 
     answers = first_answers("team")
     assert first_answers("pipeline") == answers and len(set(answers)) == 6
+
+
+def test_pipeline_agent_1_draws_each_sample_afresh(team):
+    """Agent 1's samples of an item come from streams of their own: when agent 0 gives the same answer every time,
+    agent 1 still answers it differently (pass@k needs independent samples)."""
+
+    class SameFirstAnswer(HFEngine):
+        def generate(self, agent, prompts, num_generations, params, seeds=None):
+            generation = super().generate(agent, prompts, num_generations, params, seeds)
+            if agent is team[0]:
+                generation.completions = ["the loaf was flat"] * len(generation.completions)
+            return generation
+
+    item = writing.load_items("eval")[0]
+    params = SamplingParams(max_new_tokens=6, do_sample=True)
+    records = play_pipeline(
+        writing.WritingCollabEnv(), team, [item], SameFirstAnswer(), 3, params, writing.pipeline_prompt, [0]
+    )
+    turns = [r["turns"][0] for r in records]
+    assert {t["prompts"][1] for t in turns} == {writing.pipeline_prompt(item, "the loaf was flat")}
+    assert len({t["completions"][1] for t in turns}) == 3
+
+
+def test_pipeline_reward_is_the_team_mean_of_per_agent_rewards(team):
+    """As in the team mode, an episode's reward is the mean over the agents when the environment rewards each."""
+
+    def split_credit(first, second):
+        return [(1.0, 0.0)] * len(first)
+
+    env = FunctionEnv(split_credit, lambda item: item["prompt"], 2)
+    items, params = [{"prompt": "the post"}], SamplingParams(max_new_tokens=2, do_sample=True)
+    piped = play_pipeline(env, team, items, HFEngine(), 2, params, lambda item, first: first, [0])
+    together = play_episodes(env, team, items, HFEngine(), 2, params, 1, [0])
+    for record in piped + together:
+        assert record["reward"] == 0.5 and record["success"] is None
+        assert record["components"] == {"split_credit": 0.5}
+
+
+def test_multi_turn_success_and_components_are_the_last_steps(team):
+    """Success and components are those of the episode's last step, its reward the sum over its three turns: the
+    episode whose revisions pass succeeds (0 + 1 + 1), the one whose first answer alone passes fails (1 + 0 + 0)."""
+
+    def graded(first, second, prompts, passes):
+        return [float(p.startswith("again") == (w == "revisions")) for p, w in zip(prompts[0], passes)]
+
+    def again(item, completions, history):
+        return [f"again {completions[0]}", f"again {completions[1]}"]
+
+    env = FunctionEnv(
+        graded, lambda item: item["prompt"], 2, success_threshold=0.5, transition=again, num_turns=3
+    )
+    items = [{"prompt": "the post", "passes": "revisions"}, {"prompt": "the post", "passes": "first"}]
+    params = SamplingParams(max_new_tokens=2, do_sample=True)
+    records = play_episodes(env, team, items, HFEngine(), 2, params, num_turns=3, seeds=[0, 1])
+    assert [len(r["turns"]) for r in records] == [3, 3, 3, 3]
+    outcomes = [(r["reward"], r["success"], r["components"]) for r in records]
+    assert outcomes == [(2.0, True, {"graded": 1.0})] * 2 + [(1.0, False, {"graded": 0.0})] * 2
 
 
 def test_multi_turn_episodes_follow_their_own_chain(team):
@@ -395,6 +514,14 @@ def test_cli_eval_bad_split_names_the_flags(team_paths, capsys):
     assert "--split test / --source local: load_items: split='test'; choose 'train' or 'eval'" in err
 
 
+def test_run_agent_paths_takes_the_consecutive_agent_folders(tmp_path):
+    """agent_0, agent_1, ... up to the first missing folder: a file named agent_2 is not an agent, nor is agent_3."""
+    for name in ("agent_0", "agent_1", "agent_3"):
+        (tmp_path / "agents" / name).mkdir(parents=True)
+    (tmp_path / "agents" / "agent_2").write_text("not a model")
+    assert run_agent_paths(tmp_path) == [tmp_path / "agents" / "agent_0", tmp_path / "agents" / "agent_1"]
+
+
 def test_cli_eval_run_folder_without_agents(tmp_path, capsys):
     assert main(["eval", "--task", "writing", "--run", str(tmp_path)]) == 2
     assert f"--run {tmp_path}: no {tmp_path / 'agents' / 'agent_0'}" in capsys.readouterr().err
@@ -428,7 +555,7 @@ def test_code_task_through_evaluate_task(tmp_path):
         ]
     two_turns = evaluate_task("code", agents, "team", **{**settings, "k_values": [1], "num_turns": 2})
     # 8 random tokens never pass HumanEval/0, so every episode gets a revision turn with feedback
-    assert [len(s["turns"]) for s in two_turns["samples"]] == [2, 2]
+    assert two_turns["num_turns"] == 2 and [len(s["turns"]) for s in two_turns["samples"]] == [2, 2]
 
 
 def test_cli_eval_errors_come_before_any_work_as_one_line(tmp_path, capsys):
@@ -543,6 +670,12 @@ def _writing_eval(tmp_path, *flags: str) -> list[str]:
             True,
             1,
             "device='cuda:7' (--device): this machine has 1 CUDA device(s), cuda:0 to cuda:0; use one of them",
+        ),
+        (
+            "cuda:1",
+            True,
+            1,
+            "device='cuda:1' (--device): this machine has 1 CUDA device(s), cuda:0 to cuda:0; use one of them",
         ),
     ],
 )

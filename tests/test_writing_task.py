@@ -75,10 +75,22 @@ def test_total_is_the_weighted_sum_and_success_needs_every_constraint():
     assert not writing.constraints_hold("", "", TLDR)
 
 
+def test_constraints_hold_on_the_upper_edges_of_every_band():
+    """The bounds and the ratio band are closed at the top too: 30 and 90 words (ratio 3.0) pass, one more fails."""
+    thirty, ninety = " ".join(["w"] * 30), " ".join(["w"] * 90)
+    assert writing.constraints_hold(thirty, ninety, TLDR)
+    assert not writing.constraints_hold(thirty + " w", ninety, TLDR)  # 31 > 30
+    assert not writing.constraints_hold(thirty, ninety + " w", TLDR)  # 91 > 90
+    abstract, twenty = writing.STYLES["abstract"], " ".join(["w"] * 20)
+    assert writing.constraints_hold(twenty, " ".join(["w"] * 40), abstract)  # ratio 2.0: the band's top
+    assert not writing.constraints_hold(twenty, " ".join(["w"] * 50), abstract)  # ratio 2.5 > 2.0
+
+
 def test_split_parts_on_the_marker_line():
     assert writing.split_parts("a b\n---\nc d\n--- e") == ("a b", "c d\n--- e")
     assert writing.split_parts("a b\n  ---  \nc d") == ("a b", "c d")
     assert writing.split_parts("a --- b") == ("a --- b", "")  # not on its own line: no split
+    assert writing.split_parts("  a b  \n---\n  c d  \n") == ("a b", "c d")  # each part stripped
 
 
 def test_env_two_agents_one_agent_and_errors():
@@ -87,6 +99,8 @@ def test_env_two_agents_one_agent_and_errors():
     prompts = env.reset(item)
     assert prompts == [writing.agent_prompt(item, 0), writing.agent_prompt(item, 1)]
     assert item["post"] in prompts[0] and prompts[0].endswith("TL;DR:") and prompts[1].endswith("Expansion:")
+    other = env.fork()  # each item's own episode: resetting a fork leaves the env's item alone
+    assert other.reset(writing.load_items("eval")[1]) != prompts and env.item is item
     result = env.step([SUMMARY, EXPANSION])
     expected, _ = writing.score_parts(SUMMARY, EXPANSION, TLDR)
     assert result.components == expected and result.rewards == [expected["total"]] * 2
@@ -103,6 +117,13 @@ def test_env_two_agents_one_agent_and_errors():
     # 10 words of background (bounds [20, 60]): 10/20; 25 words of method (bounds [30, 120]): 25/30
     assert abstract.step([SUMMARY, EXPANSION]).components["structure"] == pytest.approx((0.5 + 25 / 30) / 2)
 
+    single_abstract = writing.WritingCollabEnv(num_agents=1, style="abstract")
+    assert single_abstract.reset(item) == [writing.single_prompt(item, "abstract")]
+    assert abstract.reset(item) == [
+        writing.agent_prompt(item, 0, "abstract"),
+        writing.agent_prompt(item, 1, "abstract"),
+    ]
+
     with pytest.raises(ValueError, match="num_agents=3; the writing task has 2 parts"):
         writing.WritingCollabEnv(num_agents=3)
     with pytest.raises(ValueError, match=r"weights has keys \['total'\]"):
@@ -114,6 +135,36 @@ def test_env_two_agents_one_agent_and_errors():
         writing.WritingCollabEnv(style="poem")
     with pytest.raises(ValueError, match="num_turns=2: the writing task is single-turn"):
         writing.make_env(2, 2)
+
+
+def test_custom_weights_set_the_reward():
+    """The env scores with its own weights: structure alone gives the structure score (0.75 here), not the total."""
+    env = writing.WritingCollabEnv(
+        weights={"structure": 1.0, "coordination": 0.0, "diversity": 0.0, "non_redundancy": 0.0}
+    )
+    env.reset(writing.load_items("eval")[0])
+    # 4 words of summary: 4/8 = 0.5; 25 words of expansion in [20, 90]: 1
+    result = env.step(["one two three four", EXPANSION])
+    assert result.rewards == [0.75, 0.75] and result.components["total"] == 0.75
+
+
+def test_prompts_state_each_agents_own_bounds():
+    """Each agent is told its own part's word bounds (and agent 1 the ratio); the one-agent prompt asks for both."""
+    item = writing.load_items("eval")[0]
+    summary, expansion = writing.agent_prompt(item, 0), writing.agent_prompt(item, 1)
+    assert "a concise summary in 8 to 30 words." in summary and "expansion" not in summary
+    assert (
+        "detailed expansion of this post in 20 to 90 words, 2 to 3 times as long as its summary." in expansion
+    )
+    single = writing.single_prompt(item)
+    assert (
+        "in 8 to 30 words." in single
+        and "Then: Write a detailed expansion of this post in 20 to 90" in single
+    )
+    background, method = writing.agent_prompt(item, 0, "abstract"), writing.agent_prompt(item, 1, "abstract")
+    assert f"TITLE: {item['title']}\nIDEA: {item['post']}\n\n" in background
+    assert "background of a paper abstract on this idea in 20 to 60 words." in background
+    assert "method of a paper abstract on this idea in 30 to 120 words, 1 to 2 times as long" in method
 
 
 def test_pipeline_prompt_shows_agent_0s_part():
