@@ -355,7 +355,7 @@ def test_a_sandbox_that_cannot_start_the_harness_stops_the_step(monkeypatch):
 def test_a_result_line_cut_by_the_output_cap_does_not_count():
     """The output cap can cut the harness's line for a failing check after its number; that is no pass."""
     program = build_program(TWO, {"solution": ""}, marker="comarl-m")
-    for cut in ("1", "1 ", "1 fa"):
+    for cut in ("1", "1 ", "1 fa", "1 fail", '1 fail {"error"'):
         report = code.parse_report(f"x\ncomarl-m 0 pass\n\ncomarl-m {cut}", program)
         assert (report.passed, report.reported, report.done) == (1, [True, False, False], False)
 
@@ -676,6 +676,157 @@ def test_extract_code_and_prompts():
         "already wrote this helper function:\n\n```python\ndef aux(x):\n    return x % 1\n```\n\n" in pipeline
     )
     assert TWO["prompt"] in pipeline
+
+
+def test_a_run_without_the_final_line_is_no_success_even_if_every_check_passed():
+    """Success needs the harness's "done" line: a run cut after its last check line is paid its checks, no more."""
+    codes = {"solution": "def truncate_number(number):\n    return number % 1.0\n"}
+    program = build_program(TWO, codes, marker="comarl-m")
+    stdout = "comarl-m started\ncomarl-m 0 pass\ncomarl-m 1 pass\ncomarl-m 2 pass\n"
+    outcome = code.score(TWO, codes, program, RunResult(False, "timeout", None, stdout, "", 10.0))
+    assert (outcome.passed, outcome.checks, outcome.success) == (3, 3, False)
+    assert outcome.components["total"] == pytest.approx(0.125 + 0.125 + 0.75)
+
+
+def test_only_the_first_line_of_a_check_with_the_exact_marker_and_index_counts():
+    """A check's first result line decides it; a longer marker, or an index past the last check, is not a result."""
+    program = build_program(TWO, {"solution": ""}, marker="comarl-m")
+    got = '{"error": "AssertionError: got 1.5", "lines": []}'
+    lines = [
+        "comarl-m 0 pass",
+        f"comarl-m 0 fail {got}",  # a second line for check 0
+        f"comarl-m 1 fail {got}",
+        "comarl-mx2 pass",  # another marker that starts with this one: read as "comarl-m" it says "2 pass"
+        "comarl-m 3 pass",  # the checks are 0, 1 and 2
+        "",
+    ]
+    report = code.parse_report("\n".join(lines), program)
+    assert (report.passed, report.reported) == (1, [True, True, False])
+    assert report.failures == [None, {"error": "AssertionError: got 1.5", "lines": []}, None]
+
+
+def test_a_false_constant_assert_is_a_counted_check():
+    """Only `assert True` lines are left out; `assert False` is a check that fails."""
+    test = "def check(candidate):\n    assert candidate(1) == 1\n    assert False, 'never'\n    assert True\n"
+    item = {"task_id": "T/3", "prompt": "def f(x):\n", "entry_point": "f", "test": test}
+    assert build_program(item, {"solution": ""}).checks == [
+        "assert candidate(1) == 1",
+        "assert False, 'never'",
+    ]
+
+
+def test_a_chained_equality_compares_every_link(env):
+    """`assert candidate(1) == candidate(2) == 3` needs both answers to be 3: two equal 4s fail it."""
+    item = {"task_id": "T/4", "prompt": "def f(x):\n", "entry_point": "f",
+            "test": "def check(candidate):\n    assert candidate(1) == candidate(2) == 3\n"}  # fmt: skip
+    assert play(env, item, "", "def f(x):\n    return 4\n").info["passed"] == 0
+    assert play(env, item, "", "def f(x):\n    return 3\n").info["passed"] == 1
+
+
+def test_prompt_context_keeps_decorators_and_the_imports_of_a_prompt_that_does_not_parse():
+    """A kept function keeps its decorator lines; a prompt that does not parse contributes its import lines."""
+    prompt = "import functools\n\n\n@functools.lru_cache\ndef g(n):\n    return n\n\n\ndef f(x):\n    pass\n"
+    assert (
+        code.prompt_context(prompt, "f")
+        == "import functools\n\n@functools.lru_cache\ndef g(n):\n    return n\n\n"
+    )
+    broken = "import math\nfrom typing import List\nx = (\ndef f(x):\n"
+    assert code.prompt_context(broken, "f") == "import math\nfrom typing import List\n"
+
+
+def test_feedback_names_the_innermost_frame_in_the_agents_code(env):
+    """main calls aux, which raises: the error is located in the helper's line, not in main's call."""
+    result = play(
+        env, TWO, "def aux(x):\n    return 1 / 0\n", "def truncate_number(number):\n    return aux(number)\n"
+    )
+    assert result.info["feedback"] == (
+        "0 of 3 checks passed.\nFirst failing check: assert candidate(3.5) == 0.5\n"
+        "    ZeroDivisionError: division by zero\n"
+        "    raised in the helper code, line 2: return 1 / 0"
+    )
+
+
+def test_parts_that_compile_alone_but_not_joined_do_not_run(env):
+    """helper's `x = 1` and main's `global x` each compile; joined, `global x` comes after the assignment."""
+    before = env.runs
+    result = play(env, TWO, "x = 1\n", "global x\ndef truncate_number(n):\n    return n % 1.0\n")
+    assert env.runs == before and result.info["reason"] == "syntax"
+    # the helper defines no aux (0), main defines the entry point (0.5): 0.1 * 0.5
+    assert result.components == pytest.approx(
+        {"defined": 0.5, "syntax": 0.0, "tests": 0.0, "helper_used": 0.0, "total": 0.05}
+    )
+    assert result.info["feedback"] == (
+        "SyntaxError when the code is joined (main code, line 1): name 'x' is assigned to before global declaration"
+    )
+
+
+def test_each_part_is_taken_from_its_own_block_and_a_body_only_main_is_completed(env):
+    """The helper's block is the one defining aux (after a usage example), and main's indented body gets the
+    prompt's signature put in front, as for one agent."""
+    helper = "Usage:\n```python\nprint(aux(1.5))\n```\n```python\ndef aux(x):\n    return x % 1.0\n```\n"
+    codes = env.codes(TWO, [helper, "    return aux(number)\n"])
+    assert codes == {
+        "helper": "def aux(x):\n    return x % 1.0\n",
+        "main": TWO["prompt"] + "    return aux(number)\n",
+    }
+
+
+def test_mbpp_entry_point_is_the_function_the_tests_call():
+    """The reference code's first function is a helper the tests never call: the entry point is the called one."""
+    record = {"task_id": 9, "text": "Add one.", "code": "def step():\n    return 1\n\n\ndef inc(x):\n    return x + step()\n",
+              "test_list": ["assert inc(1) == 2"]}  # fmt: skip
+    item = mbpp_item(record)
+    assert item["entry_point"] == "inc" and item["prompt"].startswith("def inc(x):\n")
+
+
+def test_custom_weights_make_the_total():
+    """weights replace WEIGHTS in the total: all weight on `defined` pays main's half definition 0.5, not 0.05."""
+    weights = {"defined": 1.0, "syntax": 0.0, "tests": 0.0, "helper_used": 0.0}
+    environment = CodeCollabEnv(num_agents=2, limits=LIMITS, weights=weights)
+    try:
+        result = play(
+            environment, ZERO, "def aux(numbers)\n    return 0", MAIN_0
+        )  # the helper does not parse
+    finally:
+        environment.close()
+    assert result.components["defined"] == 0.5 and result.components["total"] == pytest.approx(0.5)
+
+
+def test_a_helper_called_by_code_that_passes_no_check_earns_no_bonus(env):
+    """helper_used needs at least one passing check: calling aux from a wrong main is not a collaboration."""
+    result = play(
+        env, TWO, "def aux(x):\n    return x\n", "def truncate_number(number):\n    return aux(number) + 1\n"
+    )
+    # 3.5 -> 4.5, 1.33 -> 2.33, 123.456 -> 124.456: no check passes
+    assert result.components == pytest.approx(
+        {"defined": 1.0, "syntax": 1.0, "tests": 0.0, "helper_used": 0.0, "total": 0.2}
+    )
+
+
+def test_an_import_time_crash_is_located_in_the_innermost_agent_frame(env):
+    """main calls aux at import time and aux raises: the crash is placed at the helper's line, not main's call."""
+    result = play(
+        env, TWO, "def aux(x):\n    return 1 / 0\n", "y = aux(1)\ndef truncate_number(n):\n    return 0.5\n"
+    )
+    assert result.info["feedback"] == (
+        "The program stopped before the tests ran:\n    ZeroDivisionError: division by zero (the helper code, line 2)"
+    )
+
+
+def test_a_team_program_killed_by_sigkill_ends_the_run_as_killed(env):
+    """The harness ends the way the team's program ended; for SIGKILL, whose handler cannot be set, it raised
+    OSError instead, and the next prompt read "OSError: [Errno 22] Invalid argument" (a harness error)."""
+    at_import = play(env, TWO, "", "import os\nos.kill(os.getpid(), 9)\n")
+    assert (at_import.info["reason"], at_import.info["feedback"]) == (
+        "killed",
+        "The program stopped before the tests ran:\n    it ended (killed, exit status -9) without an error message",
+    )
+    in_check = play(env, TWO, "", "import os\ndef truncate_number(n):\n    os.kill(os.getpid(), 9)\n")
+    assert (in_check.info["reason"], in_check.info["passed"]) == ("killed", 0)
+    assert in_check.info["feedback"] == (
+        "0 of 3 checks passed.\nThe program stopped during check: assert candidate(3.5) == 0.5\n"
+        "    it ended (killed, exit status -9) without an error message"
+    )
 
 
 # ---------------------------------------------------------------------------- a few training steps

@@ -100,8 +100,11 @@ def test_the_launcher_keeps_no_stream_a_program_could_open_through_proc():
     )
     result = run_python(probe, FAST)
     assert result.ok, result.stderr
-    # root may read any process's fds; there they must be /dev/null
-    assert result.stdout.strip() in ("PermissionError", str(["/dev/null"] * 3)), result.stdout
+    # only a program that runs as the real root (no user namespace) may read the launcher's fds: /dev/null there
+    iso = detect_isolation()
+    as_root = iso.uid is None and os.geteuid() == 0 and "user" not in iso.namespaces
+    expected = str(["/dev/null"] * 3) if as_root else "PermissionError"
+    assert result.stdout.strip() == expected
 
 
 def test_exit_status_is_reported_but_os_exit_0_is_a_success():
@@ -438,3 +441,172 @@ def test_pool_gives_each_program_its_own_stdin():
 def test_pool_default_workers_is_the_core_count():
     with SandboxPool() as pool:
         assert pool.max_workers == os.cpu_count()
+
+
+def test_memory_limit_is_the_given_mebibytes():
+    """memory_mb is MiB of address space: under 128 MiB a 160 MiB buffer fails, a 32 MiB one fits."""
+    program = (
+        "small = bytearray(32 * 2**20)\n"
+        "print('small', flush=True)\n"
+        "big = bytearray(160 * 2**20)\n"
+        "print('big')\n"
+    )
+    result = run_python(program, fast(memory_mb=128))
+    assert (result.reason, result.stdout) == ("memory", "small\n")
+
+
+def test_file_size_limit_is_the_given_mebibytes():
+    """file_size_mb=1 lets a file grow to exactly 2**20 bytes and not one byte more."""
+    program = (
+        "import os\n"
+        "open('a', 'wb').write(b'0' * 2**20)\n"
+        "print(os.path.getsize('a'), flush=True)\n"
+        "with open('b', 'wb') as f:\n"
+        "    f.write(b'0' * (2**20 + 1))\n"
+    )
+    result = run_python(program, fast(file_size_mb=1))
+    assert (result.reason, result.returncode, result.stdout) == ("file_size", 1, "1048576\n")
+
+
+def test_a_program_that_restores_sigxfsz_is_reported_as_file_size():
+    """Python ignores SIGXFSZ; a program that turns it back on is killed by it, which is still a file-size end."""
+    program = "import signal\nsignal.signal(signal.SIGXFSZ, signal.SIG_DFL)\nopen('big', 'wb').write(b'0' * (2 * 2**20))\n"
+    result = run_python(program, fast(file_size_mb=1))
+    assert (result.ok, result.reason, result.returncode) == (False, "file_size", -signal.SIGXFSZ)
+
+
+def test_open_files_limit_counts_the_standard_streams():
+    """open_files=20: stdin, stdout and stderr hold 3 descriptors, so 17 more opens succeed and the 18th fails."""
+    program = (
+        "import os\n"
+        "opened = 0\n"
+        "try:\n"
+        "    while True:\n"
+        "        os.open(os.devnull, os.O_RDONLY)\n"
+        "        opened += 1\n"
+        "except OSError as error:\n"
+        "    print(opened, error.errno == 24)\n"  # EMFILE
+    )
+    result = run_python(program, fast(open_files=20))
+    assert (result.reason, result.stdout) == ("ok", "17 True\n")
+
+
+def test_process_limit_per_run_is_the_programs_own():
+    """Per run, the program may have ``processes`` processes at once, itself included: with processes=8 it starts
+    7 children (the limit counted the namespace's first process and the launcher too, and left it 6)."""
+    iso = detect_isolation()
+    if iso.processes != "per-run":
+        pytest.skip(f"RLIMIT_NPROC is {iso.processes} here: the count depends on the user's other processes")
+    program = (
+        "import os, time\n"
+        "children = 0\n"
+        "try:\n"
+        "    while True:\n"
+        "        if os.fork() == 0:\n"
+        "            time.sleep(5)\n"
+        "            os._exit(0)\n"
+        "        children += 1\n"
+        "except OSError:\n"
+        "    print(children)\n"
+    )
+    result = run_python(program, fast(processes=8))
+    assert (result.reason, result.stdout) == ("ok", "7\n")
+
+
+def test_cpu_limit_is_rounded_up_to_whole_seconds():
+    """RLIMIT_CPU takes whole seconds: cpu_s=1.5 allows 2 s, so 1.1 s of CPU finishes (1 s would end it)."""
+    program = "import time\nwhile time.process_time() < 1.1:\n    pass\nprint('done')\n"
+    result = run_python(program, fast(cpu_s=1.5))
+    assert (result.reason, result.stdout) == ("ok", "done\n")
+
+
+def test_output_of_exactly_output_bytes_is_kept_whole_and_one_more_byte_ends_the_run():
+    """The cap is output_bytes bytes kept: 10 bytes under a cap of 10 are a normal end, 11 are cut to 10."""
+    exact = run_python("print('x' * 9)", fast(output_bytes=10))
+    assert (exact.reason, exact.stdout) == ("ok", "x" * 9 + "\n")
+    over = run_python("print('x' * 10)", fast(output_bytes=10))
+    assert (over.reason, over.returncode, over.stdout) == ("output_limit", None, "x" * 10)
+
+
+def test_the_environment_points_home_and_tmpdir_at_the_runs_directory():
+    """The five variables a program sees: a fixed PATH, a UTF-8 locale, and HOME = TMPDIR = its own directory."""
+    program = (
+        "import os\n"
+        "env = os.environ\n"
+        "print(env['PATH'], env['LANG'], env['LC_ALL'])\n"
+        "print(env['HOME'] == env['TMPDIR'] == os.getcwd())\n"
+    )
+    result = run_python(program, FAST)
+    assert result.stdout == "/usr/local/bin:/usr/bin:/bin C.UTF-8 C.UTF-8\nTrue\n"
+
+
+def test_stdin_the_program_does_not_read_is_no_error():
+    """A program that exits without reading its 1 MiB of stdin closes the pipe: that ends the writing, not the run."""
+    result = run_python("print('bye')", FAST, "x" * 2**20)
+    assert (result.ok, result.reason, result.stdout) == (True, "ok", "bye\n")
+
+
+def test_pool_runs_under_its_own_limits():
+    """The pool's limits apply to each run: a cap of 5 bytes keeps 'abcde' of 'abcdefgh'."""
+    with SandboxPool(max_workers=1, limits=fast(output_bytes=5)) as pool:
+        (result,) = pool.run_many(["print('abcdefgh')"])
+    assert (result.reason, result.stdout) == ("output_limit", "abcde")
+
+
+def test_limits_refuse_endless_seconds():
+    """An infinite or NaN timeout would mean no wall-clock limit at all (and NaN > 0 is False only by luck)."""
+    for bad in (float("inf"), float("nan")):
+        with pytest.raises(
+            ValueError, match=r"SandboxLimits.timeout_s=.*: give a positive number of seconds"
+        ):
+            SandboxLimits(timeout_s=bad)
+        with pytest.raises(ValueError, match=r"SandboxLimits.cpu_s=.*: give a positive number of seconds"):
+            SandboxLimits(cpu_s=bad)
+
+
+def test_the_launchers_streams_are_dev_null_even_to_a_reader_allowed_to_see_them(monkeypatch):
+    """Run as this test's own user without namespaces: root may read any process's fds, and finds /dev/null there
+    (the launcher dropped the trainer's pipes); any other user finds the launcher not dumpable."""
+    iso = detect_isolation()
+    monkeypatch.setitem(sandbox._detected, False, Isolation((), (), None, iso.python, "not enforced"))
+    probe = (
+        "import os\n"
+        "try:\n"
+        "    print(sorted(os.readlink(f'/proc/{os.getppid()}/fd/{n}') for n in (0, 1, 2)))\n"
+        "except OSError as error:\n"
+        "    print(type(error).__name__)\n"
+    )
+    result = run_python(probe, FAST)
+    expected = str(["/dev/null"] * 3) if os.geteuid() == 0 else "PermissionError"
+    assert (result.reason, result.stdout.strip()) == ("ok", expected)
+
+
+def test_probe_picks_the_most_isolated_set_up_that_runs(monkeypatch):
+    """With every probe working: root runs programs as nobody in user, net, pid and mount namespaces with a per-run
+    process limit; another user runs them as itself; root with no interpreter for nobody enforces no limit."""
+    monkeypatch.setattr(sandbox.sys, "platform", "linux")
+    monkeypatch.setattr(sandbox.shutil, "which", lambda name, path=None: f"/usr/bin/{name}")
+    monkeypatch.setattr(sandbox.platform, "release", lambda: "6.1.0")
+    monkeypatch.setattr(sandbox, "_runs", lambda prefix, python, uid: True)
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 0)
+    flags = ("--pid", "--fork", "--kill-child", "--mount-proc")
+    assert sandbox._probe(network=False) == Isolation(
+        ("/usr/bin/unshare", "--user", "--net", *flags),
+        ("user", "net", "pid", "mount"),
+        65534,
+        sys.executable,
+        "per-run",
+    )
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 1000)
+    assert sandbox._probe(network=True) == Isolation(
+        ("/usr/bin/unshare", "--user", *flags), ("user", "pid", "mount"), None, sys.executable, "per-run"
+    )
+    monkeypatch.setattr(sandbox.os, "geteuid", lambda: 0)
+    monkeypatch.setattr(sandbox, "_runs", lambda prefix, python, uid: uid is None)  # nothing runs as nobody
+    with pytest.warns(UserWarning, match=r"sandboxed programs run as root"):
+        as_root = sandbox._probe(network=False)
+    assert (as_root.uid, as_root.namespaces, as_root.processes) == (
+        None,
+        ("user", "net", "pid", "mount"),
+        "not enforced",
+    )

@@ -119,7 +119,7 @@ class SandboxLimits:
     memory_mb: int = 1024  # address space per process in MiB (RLIMIT_AS); allocations beyond fail
     file_size_mb: int = 16  # largest file a process may write, in MiB (RLIMIT_FSIZE)
     open_files: int = 64  # open file descriptors per process (RLIMIT_NOFILE)
-    # Processes (threads count) the program may have at once (RLIMIT_NPROC). Linux counts this limit
+    # Processes (threads count) the program may have at once, itself included (RLIMIT_NPROC). Linux counts this limit
     # per *user*: with a user namespace comarl makes it per run; without one it is added to the
     # user's current count (see docs/sandbox.md); root ignores it, so root runs as ``nobody``.
     processes: int = 32
@@ -333,7 +333,7 @@ def run_python(source: str, limits: SandboxLimits | None = None, stdin: str = ""
             os.chown(program, iso.uid, iso.uid)
         nproc = -1
         if iso.processes == "per-run":
-            nproc = limits.processes + 1  # + the launcher
+            nproc = limits.processes + 2  # + the namespace's first process (unshare's child) and the launcher
         elif iso.processes == "per-user":
             nproc = _user_process_count(os.getuid() if iso.uid is None else iso.uid) + limits.processes + 1
         return _run(iso, limits, workdir, program, nproc, stdin.encode("utf-8"), start)

@@ -531,7 +531,10 @@ def team_ended():  # the team's program ended (or stopped answering): end the sa
         team.kill()
         code = team.wait()
     if code < 0:
-        signal.signal(-code, signal.SIG_DFL)
+        try:
+            signal.signal(-code, signal.SIG_DFL)
+        except (OSError, ValueError):  # SIGKILL's action cannot be set (it is always the default)
+            pass
         _comarl_os.kill(_comarl_os.getpid(), -code)
     _comarl_os._exit(code if code >= 0 else 1)
 
