@@ -124,6 +124,8 @@ def test_limits_are_validated_with_the_field_named():
         SandboxLimits(timeout_s=0)
     with pytest.raises(ValueError, match=r"SandboxLimits.memory_mb=8: give an integer >= 64"):
         SandboxLimits(memory_mb=8)
+    with pytest.raises(ValueError, match=r"SandboxLimits.processes=0: give an integer >= 1"):
+        SandboxLimits(processes=0)
     with pytest.raises(ValueError, match=r"SandboxPool: max_workers=0"):
         SandboxPool(max_workers=0)
 
@@ -493,7 +495,7 @@ def test_open_files_limit_counts_the_standard_streams():
 
 def test_process_limit_per_run_is_the_programs_own():
     """Per run, the program may have ``processes`` processes at once, itself included: with processes=8 it starts
-    7 children (the limit counted the namespace's first process and the launcher too, and left it 6)."""
+    7 children (the limit counted unshare and the launcher too, and left it 6)."""
     iso = detect_isolation()
     if iso.processes != "per-run":
         pytest.skip(f"RLIMIT_NPROC is {iso.processes} here: the count depends on the user's other processes")
@@ -511,6 +513,11 @@ def test_process_limit_per_run_is_the_programs_own():
     )
     result = run_python(program, fast(processes=8))
     assert (result.reason, result.stdout) == ("ok", "7\n")
+    # one process is the program alone: it runs, and cannot start another
+    alone = run_python(
+        "import os\ntry:\n    os.fork()\nexcept OSError:\n    print('alone')", fast(processes=1)
+    )
+    assert (alone.reason, alone.stdout) == ("ok", "alone\n")
 
 
 def test_cpu_limit_is_rounded_up_to_whole_seconds():

@@ -131,7 +131,7 @@ class SandboxLimits:
             value = getattr(self, name)
             if not (isinstance(value, (int, float)) and math.isfinite(value) and value > 0):
                 raise ValueError(f"SandboxLimits.{name}={value!r}: give a positive number of seconds")
-        minimum = {"memory_mb": 64, "file_size_mb": 1, "open_files": 16, "processes": 2, "output_bytes": 1}
+        minimum = {"memory_mb": 64, "file_size_mb": 1, "open_files": 16, "processes": 1, "output_bytes": 1}
         for name, low in minimum.items():
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < low:
@@ -333,7 +333,7 @@ def run_python(source: str, limits: SandboxLimits | None = None, stdin: str = ""
             os.chown(program, iso.uid, iso.uid)
         nproc = -1
         if iso.processes == "per-run":
-            nproc = limits.processes + 2  # + the namespace's first process (unshare's child) and the launcher
+            nproc = limits.processes + 2  # + unshare (in the new user namespace) and the launcher
         elif iso.processes == "per-user":
             nproc = _user_process_count(os.getuid() if iso.uid is None else iso.uid) + limits.processes + 1
         return _run(iso, limits, workdir, program, nproc, stdin.encode("utf-8"), start)

@@ -936,10 +936,10 @@ class CodeCollabEnv(Env):
             raise ValueError(
                 f"CodeCollabEnv: check_timeout_s={check_timeout_s!r}; give a positive number of seconds"
             )
-        if limits is not None and limits.processes < 3:
+        if limits is not None and limits.processes < 2:
             raise ValueError(
-                f"CodeCollabEnv: limits.processes={limits.processes}; give at least 3 (each run is two processes, "
-                "the harness and the team's program, and the sandbox's unshare counts too)"
+                f"CodeCollabEnv: limits.processes={limits.processes}; give at least 2 (each run is two processes, "
+                "the harness and the team's program)"
             )
         default = WEIGHTS if num_agents == 2 else SINGLE_WEIGHTS
         if weights is not None:
