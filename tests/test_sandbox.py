@@ -493,12 +493,19 @@ def test_open_files_limit_counts_the_standard_streams():
     assert (result.reason, result.stdout) == ("ok", "17 True\n")
 
 
-def test_process_limit_per_run_is_the_programs_own():
+@pytest.mark.parametrize("forks", [True, False])
+def test_process_limit_per_run_is_the_programs_own(monkeypatch, forks):
     """Per run, the program may have ``processes`` processes at once, itself included: with processes=8 it starts
-    7 children (the limit counted unshare and the launcher too, and left it 6)."""
+    7 children, whether unshare forks (``--pid --fork``: it stays, and counts) or execs the launcher (``--user
+    --net``). The limit counted unshare and the launcher too and left it 6; then it counted unshare always (8)."""
     iso = detect_isolation()
     if iso.processes != "per-run":
         pytest.skip(f"RLIMIT_NPROC is {iso.processes} here: the count depends on the user's other processes")
+    if not forks:  # the fallback set-up, as on a machine without PID namespaces
+        unshare = (iso.unshare[0], "--user", "--net")
+        monkeypatch.setitem(
+            sandbox._detected, False, Isolation(unshare, ("user", "net"), iso.uid, iso.python, "per-run")
+        )
     program = (
         "import os, time\n"
         "children = 0\n"

@@ -332,10 +332,12 @@ def run_python(source: str, limits: SandboxLimits | None = None, stdin: str = ""
             os.chown(workdir, iso.uid, iso.uid)
             os.chown(program, iso.uid, iso.uid)
         nproc = -1
+        # The launcher counts too, and so does unshare where it forks (--fork: it waits for the namespace's PID 1).
+        own = 1 + ("--fork" in iso.unshare)
         if iso.processes == "per-run":
-            nproc = limits.processes + 2  # + unshare (in the new user namespace) and the launcher
+            nproc = limits.processes + own
         elif iso.processes == "per-user":
-            nproc = _user_process_count(os.getuid() if iso.uid is None else iso.uid) + limits.processes + 1
+            nproc = _user_process_count(os.getuid() if iso.uid is None else iso.uid) + limits.processes + own
         return _run(iso, limits, workdir, program, nproc, stdin.encode("utf-8"), start)
     finally:
         _remove_tree(workdir)
