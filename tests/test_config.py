@@ -316,6 +316,8 @@ def test_total_steps_and_steps_per_epoch():
     assert (
         MAGRPOConfig(prompts_per_step=4, num_train_epochs=3, max_steps=5).total_steps(10) == 5
     )  # max_steps wins
+    # max_steps=0 is not a limit of zero steps: only max_steps > 0 overrides the epochs
+    assert MAGRPOConfig(prompts_per_step=4, num_train_epochs=3, max_steps=0).total_steps(10) == 6
 
 
 # ----------------------------------------------------------------------------- run specs
@@ -627,3 +629,146 @@ def test_every_refused_comlrl_field_is_a_config_error_that_says_what_to_do(train
     ) as error:
         config_class(trainer)(**{name: value}, **settings)
     assert str(error.value).endswith(fix)
+
+
+# ----------------------------------------------------------------------------- boundaries of the range checks
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "num_train_epochs",
+        "prompts_per_step",
+        "num_generations",
+        "max_new_tokens",
+        "num_iterations",
+        "num_turns",
+        "logging_steps",
+        "num_generations_eval",
+        "save_total_limit",
+    ],
+)
+def test_counts_that_must_be_at_least_one_refuse_zero_and_take_one(name):
+    """Zero epochs, turns, iterations or kept checkpoints would train, log or keep nothing; one is the least."""
+    with pytest.raises(ConfigError, match=rf"^{name}=0: must be an integer >= 1$"):
+        MAGRPOConfig(**{name: 0})
+    alone = {"baseline": "none", "scale": "none"} if name == "num_generations" else {}  # no group to compare
+    assert getattr(MAGRPOConfig(**{name: 1, **alone}), name) == 1
+
+
+@pytest.mark.parametrize(
+    "name",
+    [
+        "warmup_steps",
+        "eval_interval",
+        "min_new_tokens",
+        "log_completions",
+        "save_steps",
+        "alternate_agents_every",
+    ],
+)
+def test_counts_that_may_be_zero_refuse_negatives(name):
+    """These may be 0 (off); a negative count is a mistake, refused with the field named."""
+    with pytest.raises(ConfigError, match=rf"^{name}=-1: must be an integer >= 0$"):
+        MAGRPOConfig(**{name: -1})
+    assert getattr(MAGRPOConfig(**{name: 0}), name) == 0
+
+
+def test_the_edges_of_the_ranges_are_taken_or_refused_as_documented():
+    """Each range's closed end is a value a user may give (seed 0 and 2**31 - 1, top_k 0 = off, min_new_tokens equal
+    to max_new_tokens, max_joint_actions equal to num_generations); its open end is refused."""
+    assert MAGRPOConfig(seed=0).seed == 0
+    assert MAGRPOConfig(seed=2**31 - 1).seed == 2**31 - 1
+    assert MAGRPOConfig(top_k=0).top_k == 0
+    assert MAGRPOConfig(min_new_tokens=5, max_new_tokens=5).min_new_tokens == 5
+    assert MAGRPOConfig(joint_mode="cross", max_joint_actions=4).max_joint_actions == 4  # G = 4
+    with pytest.raises(ConfigError, match=r"^top_p=0: must be in \(0, 1\]$"):
+        MAGRPOConfig(top_p=0)
+    with pytest.raises(ConfigError, match=r"^warmup_ratio=1.0: must be in \[0, 1\)$"):
+        MAGRPOConfig(warmup_ratio=1.0)
+    with pytest.raises(ConfigError, match=r"^epsilon and epsilon_high must be > 0$"):
+        MAGRPOConfig(epsilon_high=0.0)
+    with pytest.raises(ConfigError, match=r"^num_agents=0: must be >= 1$"):
+        MAGRPOConfig(num_agents=0)
+    with pytest.raises(ConfigError, match=r"^max_children=0: must be >= 1"):
+        MAGRPOConfig(max_children=0)
+    with pytest.raises(ConfigError, match=r"^max_nodes=0: must be >= 1$"):
+        MAGRPOConfig(max_nodes=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"agent_parallel": True}, r"^share_weights=True: every agent is the same model, so agent_parallel"),
+        (
+            {"alternate_agents_every": 2},
+            r"^share_weights=True: every agent is the same model, so alternate_agents_every",
+        ),
+        (
+            {"data_parallel": True, "shard_weights": True},
+            r"^shard_weights=True shards each agent's own model; ",
+        ),
+    ],
+)
+def test_share_weights_refuses_what_cannot_apply_to_one_model(kwargs, message):
+    """One model in every role has no agent to freeze, alternate, give its own process or shard as its own."""
+    with pytest.raises(ConfigError, match=message):
+        MAGRPOConfig(share_weights=True, **kwargs)
+
+
+# ----------------------------------------------------------------------------- per-agent settings
+
+
+def test_for_agent_applies_that_agents_settings_only():
+    """Agent i samples and learns with agent_settings[i] over the shared values; the others keep the shared ones."""
+    cfg = MAGRPOConfig(agent_settings=[{"temperature": 0.5}, {}, {"learning_rate": 1e-3, "top_k": 7}])
+    assert (cfg.for_agent(0).temperature, cfg.for_agent(0).learning_rate) == (0.5, 5e-6)
+    assert (cfg.for_agent(1).temperature, cfg.for_agent(1).learning_rate) == (1.0, 5e-6)
+    assert (cfg.for_agent(2).learning_rate, cfg.for_agent(2).top_k, cfg.for_agent(2).temperature) == (
+        1e-3,
+        7,
+        1.0,
+    )
+    assert cfg.for_agent(2).agent_settings is None and cfg.temperature == 1.0
+
+
+# ----------------------------------------------------------------------------- check_team edges
+
+
+def test_check_team_refuses_extra_agent_settings_and_counts_frozen_agents_once():
+    """One dict per agent, no more; an agent named twice in frozen_agents is still one frozen agent."""
+    with pytest.raises(ConfigError, match=r"^agent_settings has 3 entries for 2 agents"):
+        MAGRPOConfig(agent_settings=[{}, {}, {}]).check_team(2, None)
+    MAGRPOConfig(frozen_agents=[1, 1]).check_team(2, None)  # agent 0 still learns
+
+
+def test_check_team_takes_a_tree_of_exactly_max_nodes():
+    """aligned, G=4, 4 turns: 1 + 4 + 16 + 64 = 85 nodes per item, within max_nodes=85 and over 84."""
+    MAGRPOConfig(num_turns=4, max_nodes=85).check_team(2, None)
+    with pytest.raises(ConfigError, match=r"1 \+ 4 \+ 16 \+ 64 = 85 nodes .* > max_nodes=84"):
+        MAGRPOConfig(num_turns=4, max_nodes=84).check_team(2, None)
+
+
+def test_budgets_above_what_exists_do_not_grow_the_tree():
+    """max_joint_actions above G**N (2**2 = 4) and max_children above the joint actions per node cap nothing: every
+    node has 4 children, so 3 turns give 1 + 4 + 16 = 21 nodes."""
+    cfg = MAGRPOConfig(num_generations=2, joint_mode="cross", max_joint_actions=8, num_turns=3)
+    assert (cfg.joint_actions_per_node(2), cfg.tree_nodes(2)) == (4, 21)
+    cfg = MAGRPOConfig(num_generations=4, max_children=10, num_turns=3)  # aligned: 4 joint actions per node
+    assert (cfg.children_per_node(2), cfg.tree_nodes(2)) == (4, 21)
+
+
+# ----------------------------------------------------------------------------- CoMLRL spellings
+
+
+def test_comlrl_batch_size_spellings_must_agree():
+    """per_device_train_batch_size and rollout_buffer_size both set prompts_per_step: the same value is one setting,
+    two values are refused rather than one silently winning."""
+    assert MAGRPOConfig(per_device_train_batch_size=3, rollout_buffer_size=3).prompts_per_step == 3
+    with pytest.raises(ConfigError, match=r"^per_device_train_batch_size and rollout_buffer_size both set"):
+        MAGRPOConfig(per_device_train_batch_size=3, rollout_buffer_size=2)
+
+
+def test_comlrl_parallel_training_null_is_none():
+    """CoMLRL's normalize_parallel_training reads 'null' (any case) as 'none': no model parallelism, no devices."""
+    assert MAGRPOConfig(parallel_training="Null").agent_devices is None

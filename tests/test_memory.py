@@ -5,22 +5,27 @@ from __future__ import annotations
 import dataclasses
 import json
 import socket
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
+import comarl.memory
 from comarl import ConfigError, MAGRPOConfig, MAGRPOTrainer, MAPPOConfig, MAPPOTrainer
 from comarl.memory import (
     GIB,
     ModelSize,
+    canonical_device,
     check_fits,
     device_identity,
     device_need,
+    free_memory,
     model_memory,
     model_size,
     sharing_devices,
+    summary,
 )
 
 DATA = [{"prompt": p} for p in ("def add(a, b):", "the agents meet at")]
@@ -392,3 +397,108 @@ def test_two_names_of_one_memory_are_checked_together_and_fixes_fit_the_settings
             args=args(lora_r=4, lora_shared_base=True),
         )  # fmt: skip
     assert "lora_shared_base=True with" not in str(e.value)
+
+
+def tiny_config_dir(path, tied):
+    """A folder with only the config of a one-layer Qwen2 model small enough to count by hand."""
+    config = dict(
+        model_type="qwen2",
+        architectures=["Qwen2ForCausalLM"],
+        vocab_size=100,
+        hidden_size=8,
+        intermediate_size=16,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        tie_word_embeddings=tied,
+    )
+    path.mkdir()
+    (path / "config.json").write_text(json.dumps(config))
+    return str(path)
+
+
+def test_model_size_counts_a_tiny_config_by_hand_with_and_without_its_lm_head(tmp_path):
+    """A critic or reward model loads the bare backbone (lm_head=False): an untied LM head is not part of it, a tied
+    one is the embeddings; LoRA adds its adapters, which alone train."""
+    # embeddings 100 x 8 = 800; q 8 x 8 + 8 = 72; k, v 8 x 4 + 4 = 36 each; o 8 x 8 = 64;
+    # MLP 3 x 8 x 16 = 384; two layer norms 8 + 8, final norm 8: backbone 1416; an untied LM head adds 100 x 8 = 800
+    untied = tiny_config_dir(tmp_path / "untied", tied=False)
+    assert model_size(untied) == ModelSize(2216, 2216)
+    assert model_size(untied, lm_head=False) == ModelSize(1416, 1416)
+    assert model_size(untied, (2, 8.0, ["q_proj"])) == ModelSize(2216 + 32, 32)  # A 2 x 8 and B 8 x 2
+    tied = tiny_config_dir(tmp_path / "tied", tied=True)
+    assert model_size(tied) == model_size(tied, lm_head=False) == ModelSize(1416, 1416)
+
+
+def test_lora_target_modules_that_match_nothing_stop_the_count(tmp_path):
+    """The count re-raises the ConfigError of lora_target_modules that adapt nothing, so the run stops before any
+    weights load, instead of skipping the model as one it cannot count."""
+    with pytest.raises(ConfigError, match=r"^lora_target_modules=\['no_such_module'\]: no module of"):
+        model_size(tiny_config_dir(tmp_path / "m", tied=False), (4, 8.0, ["no_such_module"]))
+
+
+def test_the_kl_reference_copies_every_parameter():
+    """The KL reference is a frozen copy of the whole model: 4 bytes per parameter, not per trainable one."""
+    assert model_memory("agent 0", "cpu", ModelSize(1100, 100), reference=True).reference == 4400
+
+
+def test_whole_weights_gathered_for_generation_count_once_per_process():
+    """Under shard_weights over 4 shards an agent of 2**30 parameters keeps a quarter of its 16 bytes per parameter
+    (4 GiB) and gathers its whole fp32 weights (4 GiB) to generate; the agents of one process gather in turn."""
+    split = [model_memory(f"agent {i}", "cuda:0", ModelSize(GIB, GIB), weight_shards=4) for i in range(2)]
+    assert device_need(split[:1]) == 4 * GIB + 4 * GIB
+    assert device_need(split) == 2 * 4 * GIB + 4 * GIB
+    # under bf16 the casts of the gathered weights (2 GiB) come with them
+    bf16 = [
+        model_memory(f"agent {i}", "cuda:0", ModelSize(GIB, GIB), weight_shards=4, bf16=True)
+        for i in range(2)
+    ]
+    assert device_need(bf16) == 2 * 4 * GIB + 4 * GIB + 2 * GIB
+
+
+def test_summary_gives_each_devices_need_and_free_memory():
+    """The line printed when training starts: each device's static need (GiB, MiB below a tenth of a GiB) and free
+    memory, the casts of one process's agents counted once."""
+    plan = [
+        model_memory("agent 0", "cuda:0", ModelSize(GIB, GIB), bf16=True),  # 16 GiB + 2 GiB of casts
+        model_memory("agent 1", "cuda:0", ModelSize(GIB, GIB), bf16=True),
+        model_memory("agent 2", "cuda:1", ModelSize(2**25, 2**25)),  # 16 x 2**25 bytes = 0.5 GiB
+        model_memory("agent 3", "cpu", ModelSize(2**20, 2**20)),  # 16 MiB
+    ]
+    free = {"cuda:0": 40 * GIB, "cuda:1": 79 * GIB // 2, "cpu": None}
+    assert summary(plan, free) == (
+        "static training memory (before activations): cuda:0 34.0 GiB of 40.0 GiB free, "
+        "cuda:1 0.5 GiB of 39.5 GiB free, cpu 16 MiB"
+    )
+
+
+def test_canonical_device_names_the_current_gpu_and_one_cpu(monkeypatch):
+    """'cuda' is the current GPU, which need not be GPU 0 (torch.cuda.set_device), and every CPU name is 'cpu'."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert canonical_device("cuda") == "cuda:3"
+    assert canonical_device("cuda:1") == "cuda:1"
+    assert canonical_device("cpu:0") == canonical_device("cpu") == "cpu"
+
+
+def test_free_memory_reads_cudas_free_bytes_and_the_hosts_available_memory(monkeypatch, tmp_path):
+    """A GPU's free memory is the first of mem_get_info's (free, total); the CPU's is /proc/meminfo's MemAvailable
+    (in KiB), not MemFree, which leaves out the page cache the kernel gives back."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "mem_get_info", lambda device: (5 * GIB, 80 * GIB))
+    assert free_memory("cuda:0") == 5 * GIB
+    meminfo = tmp_path / "meminfo"
+    meminfo.write_text(
+        "MemTotal:       16000000 kB\nMemFree:          100000 kB\nMemAvailable:    8000000 kB\n"
+    )
+    monkeypatch.setattr(
+        comarl.memory, "Path", lambda path: meminfo if path == "/proc/meminfo" else Path(path)
+    )
+    assert free_memory("cpu") == 8000000 * 1024
+
+
+def test_a_gpu_is_identified_across_processes_by_its_uuid(monkeypatch):
+    """Processes may number one GPU differently (CUDA_VISIBLE_DEVICES): its UUID names it for all of them."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(uuid="GPU-1234"))
+    assert device_identity("cuda:1") == "gpu GPU-1234"
