@@ -50,9 +50,10 @@ def test_model_memory_counts_fp32_weights_gradients_adamw_and_reference_by_hand(
     )
     lora = model_memory("agent 0", "cpu", ModelSize(1100, 100))
     assert (lora.weights, lora.gradients, lora.optimizer, lora.total) == (4400, 400, 800, 5600)
-    # A second agent on a shared LoRA base holds only its adapters; one shared model: nothing; frozen: no state.
+    # A second agent on a shared LoRA base holds only its adapters; frozen: no state.
     assert model_memory("agent 1", "cpu", ModelSize(1100, 100), owns_weights=False).total == 400 + 400 + 800
-    assert model_memory("agent 1", "cpu", ModelSize(1000, 1000), owns_weights=False, trains=False).total == 0
+    # a frozen agent on a shared base: its adapters alone (they are its own, trained or not)
+    assert model_memory("agent 1", "cpu", ModelSize(1100, 100), owns_weights=False, trains=False).total == 400
     assert model_memory("agent 1", "cpu", ModelSize(1000, 1000), trains=False).total == 4000
     # shard_optimizer over 3 data shards: each keeps a third of the AdamW state (rounded up)
     sharded = model_memory("agent 0", "cpu", ModelSize(1000, 1000), optimizer_shards=3)
@@ -213,8 +214,13 @@ def test_the_plan_follows_lora_shared_bases_frozen_agents_and_critics(qwen_bpe):
     held = {p.data_ptr(): p.numel() for a in trainer.team for p in a.model.get_base_model().parameters()}
     assert sum(held.values()) == lora.parameters + lora.trainable  # one base and both adapters, as planned
 
+    # a frozen agent on the shared base holds its own adapters (4 T), which the plan left out
+    plan, trainer = plan_of(MAGRPOTrainer, qwen_bpe, args(lora_r=4, lora_shared_base=True, frozen_agents=[1]))
+    assert plan["agent 0"].total == 4 * lora.parameters + 12 * lora.trainable
+    assert plan["agent 1"].total == 4 * lora.trainable
+
     plan, _ = plan_of(MAGRPOTrainer, qwen_bpe, args(share_weights=True))
-    assert plan["agent 0"].total == 16 * full.parameters and plan["agent 1"].total == 0
+    assert plan["agent 0"].total == 16 * full.parameters and set(plan) == {"agent 0"}
 
     ppo = MAPPOConfig(prompts_per_step=2, num_generations=2, max_new_tokens=4, progress_bar=False)
     plan, trainer = plan_of(MAPPOTrainer, qwen_bpe, ppo)
@@ -276,16 +282,14 @@ def test_data_shards_are_told_to_shard_the_optimizer_and_the_plan_counts_the_sha
 
 def test_bf16_counts_the_weight_copies_autocast_keeps():
     """Autocast caches a bf16 copy (2 bytes) of every weight that requires gradients: all of a fully fine-tuned
-    or frozen model's, a LoRA model's adapters only; nothing for an agent that holds another's model."""
+    or frozen model's, a LoRA model's adapters only (on a shared base too, trained or not)."""
     assert model_memory("agent 0", "cpu", ModelSize(1000, 1000), bf16=True).autocast == 2000
     assert model_memory("agent 0", "cpu", ModelSize(1000, 1000), bf16=True).total == 16000 + 2000
     assert model_memory("agent 0", "cpu", ModelSize(1000, 1000), trains=False, bf16=True).total == 4000 + 2000
     assert model_memory("agent 0", "cpu", ModelSize(1100, 100), bf16=True).autocast == 200
     assert model_memory("agent 1", "cpu", ModelSize(1100, 100), owns_weights=False, bf16=True).autocast == 200
-    shared = model_memory(
-        "agent 1", "cpu", ModelSize(1000, 1000), owns_weights=False, trains=False, bf16=True
-    )
-    assert shared.total == 0
+    frozen = model_memory("agent 1", "cpu", ModelSize(1100, 100), owns_weights=False, trains=False, bf16=True)
+    assert (frozen.weights, frozen.autocast, frozen.total) == (400, 200, 600)
     assert model_memory("agent 0", "cpu", ModelSize(1000, 1000)).autocast == 0  # fp32
     # shard_weights: FSDP2 gathers whole weights that require gradients, and autocast caches whole casts
     assert model_memory("agent 0", "cpu", ModelSize(1000, 1000), weight_shards=2, bf16=True).autocast == 2000
@@ -309,7 +313,7 @@ def test_the_trainer_plans_autocast_copies_under_bf16(qwen_bpe):
     assert (plan["agent 0"].autocast, plan["agent 1"].autocast) == (0, 2 * model_size(qwen_bpe).parameters)
     # one model in both roles: its holder counts the casts that agent 1's bf16 forwards make of the shared weights
     plan, _ = plan_of(MAGRPOTrainer, qwen_bpe, args(share_weights=True, agent_settings=[{}, {"bf16": True}]))
-    assert (plan["agent 0"].autocast, plan["agent 1"].autocast) == (2 * model_size(qwen_bpe).parameters, 0)
+    assert plan["agent 0"].autocast == 2 * model_size(qwen_bpe).parameters and set(plan) == {"agent 0"}
 
 
 def test_processes_sharing_a_device_check_all_its_models():

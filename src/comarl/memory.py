@@ -128,7 +128,7 @@ def model_memory(
 ) -> ModelMemory:
     """The bytes of one model: see :class:`ModelMemory`. ``trains=False``: frozen (no gradients or optimizer
     state); ``owns_weights=False``: the base weights are another agent's (a shared LoRA base: only its own
-    adapters count; one shared model: nothing); ``reference``: a frozen copy of the weights is kept;
+    adapters count, trained or not); ``reference``: a frozen copy of the weights is kept;
     ``optimizer_shards``: the processes that share its AdamW state (``shard_optimizer``), each holding a share;
     ``weight_shards``: the processes among which the whole model is split (``shard_weights``); ``bf16``: its
     forwards run under bf16 autocast."""
@@ -141,14 +141,14 @@ def model_memory(
     return ModelMemory(
         name=name,
         device=device,
-        weights=share(4 * size.parameters if owns_weights else 4 * trainable),
+        weights=share(4 * (size.parameters if owns_weights else size.trainable)),
         gradients=share(4 * trainable),
         optimizer=share(-(-8 * trainable // optimizer_shards)),
         reference=share(4 * size.parameters) if reference else 0,
         gathered=4 * size.parameters if D > 1 else 0,
         # size.trainable: the weights that require gradients, trained or not (a frozen agent's still do). Not
         # divided among shards: FSDP2 gathers whole weights that require gradients, and autocast caches their casts.
-        autocast=2 * size.trainable if bf16 and (owns_weights or trains) else 0,
+        autocast=2 * size.trainable if bf16 else 0,
     )
 
 

@@ -403,7 +403,9 @@ class MAGRPOTrainer:
                 continue
             # With a shared base or one shared model the first agent holds the weights.
             shares = (a.lora_shared_base or a.share_weights) and i != self.local[0]
-            trains = i not in a.frozen_agents and not (a.share_weights and shares)
+            if a.share_weights and shares:
+                continue  # one model in every role: its first user holds all of it
+            trains = i not in a.frozen_agents
             plan.append(
                 model_memory(
                     f"agent {i}",
