@@ -227,7 +227,8 @@ def test_resume_with_settings_that_shape_the_state_stops_naming_them(qwen_bpe, l
 
 
 class _Stub:
-    """The little of a trainer that save_checkpoint reads: one process (no data shards), a step and a state."""
+    """The little of a trainer that save_checkpoint and load_checkpoint use: one process (no data shards), a step and a
+    state."""
 
     processes, data, num_agents, team, args = None, None, 1, (), MAGRPOConfig()
 
@@ -236,6 +237,9 @@ class _Stub:
 
     def checkpoint_state(self):
         return {"step": self.step}
+
+    def load_checkpoint_state(self, state):
+        self.loaded = state
 
 
 def test_a_new_checkpoint_replaces_those_an_earlier_run_left_past_it(tmp_path, monkeypatch):
@@ -361,3 +365,189 @@ def test_resume_on_fewer_gpus_restores_the_streams_of_those_it_sees(monkeypatch)
     state = rng_state()
     set_rng_state(state)
     assert [(int(s), d) for s, d in restored] == [(0, 0)]
+
+
+def test_checkpoints_are_ordered_by_step_not_by_name(tmp_path):
+    """step_10 comes after step_9 (by name it sorts first): resume takes step_10, the limit drops step_9."""
+    from comarl import checkpoint
+
+    for step in (9, 10):
+        checkpoint.save_checkpoint(_Stub(step), tmp_path, keep=2)
+    assert [p.name for p in checkpoint.completed_checkpoints(tmp_path)] == ["step_9", "step_10"]
+    checkpoint.save_checkpoint(_Stub(11), tmp_path, keep=2)
+    assert [p.name for p in checkpoint.completed_checkpoints(tmp_path)] == ["step_10", "step_11"]
+
+
+@pytest.mark.parametrize(("keep", "kept"), [(1, [4]), (2, [3, 4]), (4, [1, 2, 3, 4]), (5, [1, 2, 3, 4])])
+def test_save_total_limit_keeps_the_newest_checkpoints(tmp_path, keep, kept):
+    """Saving steps 1-4 with save_total_limit=keep leaves the newest min(keep, 4) of them."""
+    from comarl import checkpoint
+
+    for step in (1, 2, 3, 4):
+        checkpoint.save_checkpoint(_Stub(step), tmp_path, keep=keep)
+    assert [p.name for p in checkpoint.completed_checkpoints(tmp_path)] == [f"step_{s}" for s in kept]
+
+
+def test_the_remains_of_a_save_cut_short_never_count_and_never_block_a_save(tmp_path, monkeypatch):
+    """A save cut short leaves step_<N>.partial: the next save removes it even below its own step (it is not one of
+    the kept checkpoints), and a save of step N itself writes over it."""
+    from comarl import checkpoint
+
+    real_save = torch.save
+
+    def cut_short(obj, path):
+        real_save(obj, path)
+        raise OSError("the machine went away")
+
+    def save_cut_short(step):
+        with monkeypatch.context() as patch:
+            patch.setattr(checkpoint.torch, "save", cut_short)
+            with pytest.raises(OSError):
+                checkpoint.save_checkpoint(_Stub(step), tmp_path, keep=3)
+
+    folders = tmp_path / "checkpoints"
+    checkpoint.save_checkpoint(_Stub(2), tmp_path, keep=3)
+    save_cut_short(3)
+    checkpoint.save_checkpoint(_Stub(4), tmp_path, keep=3)
+    assert sorted(p.name for p in folders.iterdir()) == ["step_2", "step_4"]
+    save_cut_short(6)  # the run dies while saving step 6, resumes from step 4 and saves step 6 again
+    directory = checkpoint.save_checkpoint(_Stub(6), tmp_path, keep=3)
+    assert sorted(p.name for p in folders.iterdir()) == ["step_2", "step_4", "step_6"]
+    assert torch.load(directory / "process_0.pt", weights_only=False)["trainer"] == {"step": 6}
+
+
+def test_a_deletion_cut_short_leaves_no_checkpoint_to_resume(tmp_path, monkeypatch):
+    """trainer_state.json is deleted first: a folder whose deletion stopped before its parts went is not loaded."""
+    from comarl import checkpoint
+
+    for step in (2, 4):
+        checkpoint.save_checkpoint(_Stub(step), tmp_path, keep=2)
+    # The process dies before rmtree deletes a file.
+    monkeypatch.setattr(checkpoint.shutil, "rmtree", lambda path, ignore_errors=False: None)
+    checkpoint.remove_checkpoints(tmp_path, past=2)
+    assert (tmp_path / "checkpoints" / "step_4" / "process_0.pt").is_file()
+    assert [p.name for p in checkpoint.completed_checkpoints(tmp_path)] == ["step_2"]
+
+
+def test_check_resumable_compares_the_trainer_the_processes_and_the_settings(tmp_path):
+    """A checkpoint of another trainer or another process count is refused; a list setting given as a tuple (as it
+    was saved, or as JSON gives it back) is the same setting."""
+    from comarl import checkpoint
+
+    stub = _Stub(2)
+    stub.args = MAGRPOConfig(lora_r=4, lora_target_modules=("q_proj", "v_proj"))
+    directory = checkpoint.save_checkpoint(stub, tmp_path, keep=1)
+    for modules in (("q_proj", "v_proj"), ["q_proj", "v_proj"]):
+        args = MAGRPOConfig(lora_r=4, lora_target_modules=modules)
+        assert checkpoint.check_resumable(directory, "_Stub", 1, 1, args) == 2
+    with pytest.raises(
+        ConfigError, match=r"the checkpoint has trainer='_Stub', this run trainer='IPPOTrainer'"
+    ):
+        checkpoint.check_resumable(directory, "IPPOTrainer", 1, 1, stub.args)
+    with pytest.raises(ConfigError, match=r"the checkpoint has processes=1, this run processes=2"):
+        checkpoint.check_resumable(directory, "_Stub", 1, 2, stub.args)
+    with pytest.raises(ConfigError, match=r"lora_target_modules=\['q_proj', 'v_proj'\], this run has"):
+        checkpoint.check_resumable(
+            directory, "_Stub", 1, 1, MAGRPOConfig(lora_r=4, lora_target_modules=["q_proj"])
+        )
+
+
+def _model_folder(path, config, weights):
+    """A stand-in model folder: a config.json and one weight file of ``weights`` bytes."""
+    path.mkdir(parents=True)
+    (path / "config.json").write_text(config)
+    (path / "model.safetensors").write_bytes(b"\0" * weights)
+    return str(path)
+
+
+def test_resume_compares_agent_sources_by_path_then_by_config_and_weight_sizes(tmp_path, monkeypatch):
+    """A local model folder elsewhere is the same model when its config and weight files' names and sizes are (in
+    whatever order the folder lists them); another config or weight size is another model; a model object (no
+    source) is not checked; hub ids are compared as they are."""
+    import pathlib
+    from types import SimpleNamespace
+
+    from comarl import checkpoint
+
+    def saved_with(source, run):
+        stub = _Stub(2)
+        stub.team = (SimpleNamespace(source=source),)
+        return checkpoint.save_checkpoint(stub, tmp_path / run, keep=1)
+
+    def check(directory, source):
+        return checkpoint.check_resumable(directory, "_Stub", 1, 1, _Stub.args, [source])
+
+    model = _model_folder(tmp_path / "a" / "model", '{"hidden_size": 8}', 16)
+    directory = saved_with(model, "local")
+    assert check(directory, model) == 2 and check(directory, None) == 2
+    copy = _model_folder(tmp_path / "b" / "model", '{"hidden_size": 8}', 16)
+    listed = pathlib.Path.iterdir
+    with monkeypatch.context() as patch:  # another file system lists the files in another order
+        patch.setattr(pathlib.Path, "iterdir", lambda self: reversed(sorted(listed(self))))
+        assert check(directory, copy) == 2
+    for other in (
+        _model_folder(tmp_path / "c" / "model", '{"hidden_size": 16}', 16),
+        _model_folder(tmp_path / "d" / "model", '{"hidden_size": 8}', 32),
+    ):
+        with pytest.raises(
+            ConfigError, match=r"the checkpoint's agent 0 is '.*/a/model', this run's '.*/model'"
+        ):
+            check(directory, other)
+    hub = saved_with("org/model-a", "hub")
+    assert check(hub, "org/model-a") == 2
+    with pytest.raises(ConfigError, match=r"agent 0 is 'org/model-a', this run's 'org/model-b'"):
+        check(hub, "org/model-b")
+    # A checkpoint written before fingerprints were recorded compares the paths alone.
+    state_file = directory / "trainer_state.json"
+    state = json.loads(state_file.read_text())
+    del state["agent_fingerprints"]
+    state_file.write_text(json.dumps(state))
+    with pytest.raises(
+        ConfigError, match=r"the checkpoint's agent 0 is '.*/a/model', this run's '.*/b/model'"
+    ):
+        check(directory, copy)
+
+
+def test_a_resume_brings_back_the_python_numpy_and_torch_streams(tmp_path):
+    """A reward function or a model's dropout drawing from the global streams draws after a resume what it would
+    have drawn without the stop."""
+    import random
+
+    import numpy as np
+
+    from comarl import checkpoint
+
+    directory = checkpoint.save_checkpoint(_Stub(2), tmp_path, keep=1)
+    expected = (random.random(), float(np.random.rand()), torch.rand(2))
+    random.random(), np.random.rand(), torch.rand(2)  # the stopped run went on drawing
+    resumed = _Stub(0)
+    assert checkpoint.load_checkpoint(resumed, directory) == 2 and resumed.loaded == {"step": 2}
+    python, numpy, torch_ = random.random(), float(np.random.rand()), torch.rand(2)
+    assert (python, numpy) == expected[:2] and torch.equal(torch_, expected[2])
+
+
+def test_the_checkpoint_over_the_limit_goes_only_once_the_new_one_is_in_place(tmp_path, monkeypatch):
+    """With save_total_limit=1, step 2 is deleted after step 4 is renamed into place: a save cut short before the
+    rename leaves step 2 to resume from."""
+    from comarl import checkpoint
+
+    checkpoint.save_checkpoint(_Stub(2), tmp_path, keep=1)
+
+    def rename_cut_short(source, target):
+        raise OSError("the machine went away")
+
+    monkeypatch.setattr(checkpoint.os, "replace", rename_cut_short)
+    with pytest.raises(OSError):
+        checkpoint.save_checkpoint(_Stub(4), tmp_path, keep=1)
+    assert [p.name for p in checkpoint.completed_checkpoints(tmp_path)] == ["step_2"]
+
+
+def test_truncate_log_keeps_the_rows_up_to_the_step_and_drops_lines_that_are_not_rows(tmp_path):
+    """Rows of steps 1 and 2 stay for a resume from step 2; step 3's row goes, and so does a line that is JSON but
+    not an object (no row of ours), rather than stopping the resume."""
+    from comarl.checkpoint import truncate_log
+
+    log = tmp_path / "metrics.jsonl"
+    log.write_text('{"step": 1}\n[1, 2]\n{"step": 2}\n\n{"step": 3}\n')
+    truncate_log(log, 2)
+    assert log.read_text() == '{"step": 1}\n{"step": 2}\n'

@@ -328,3 +328,141 @@ def test_plot_of_a_run_stopped_mid_row_into_a_new_folder(tmp_path, capsys):
     out = tmp_path / "figures" / "run.png"
     assert main(["plot", str(tmp_path), "--out", str(out)]) == 0
     assert out.read_bytes()[:4] == b"\x89PNG"
+
+
+class _RecordingSink:
+    """A metric sink that records its calls."""
+
+    def __init__(self):
+        self.calls = []
+
+    def log(self, step, metrics):
+        self.calls.append(("log", step, metrics))
+
+    def log_samples(self, step, columns, rows):
+        self.calls.append(("log_samples", step, columns, rows))
+
+    def close(self, failed=False):
+        self.calls.append(("close", failed))
+
+
+def test_sinks_get_the_numeric_metrics_as_floats_and_the_samples_as_one_table(tmp_path):
+    """The step is the sinks' step argument, not a metric; text and null metrics stay in metrics.jsonl alone; a
+    sample's lists become JSON text, its text, numbers and None stay as they are; no samples, no table."""
+    sink = _RecordingSink()
+    with RunLogger(tmp_path, total_steps=3, console=False, sinks=[sink]) as logger:
+        logger.log(3, {"reward": 1, "success": 0.5, "note": "warm-up", "loss": None})
+        logger.log_samples(3, [{"prompt": "hi", "rewards": [1, 0.5], "score": 2, "error": None}])
+        logger.log_samples(3, [])
+        logger.close()  # closing again on leaving the block does nothing
+    assert sink.calls == [
+        ("log", 3, {"reward": 1.0, "success": 0.5}),
+        ("log_samples", 3, ["step", "prompt", "rewards", "score", "error"], [[3, "hi", "[1, 0.5]", 2, None]]),
+        ("close", False),
+    ]
+    assert isinstance(sink.calls[0][2]["reward"], float)
+    assert read_metrics(tmp_path / "metrics.jsonl") == [
+        {"step": 3, "reward": 1, "success": 0.5, "note": "warm-up", "loss": None}
+    ]
+
+
+def test_samples_with_arrays_and_other_objects_are_written_as_lists_and_text(tmp_path):
+    """Tensors and NumPy arrays become JSON lists; any other value JSON cannot hold is written as its text."""
+    with RunLogger(tmp_path, total_steps=1, console=False) as logger:
+        logger.log_samples(
+            1, [{"ids": torch.tensor([3, 4]), "scores": np.array([0.5, 1.5]), "path": Path("a/b")}]
+        )
+    assert _lines(tmp_path / "samples.jsonl") == [
+        {"step": 1, "ids": [3, 4], "scores": [0.5, 1.5], "path": "a/b"}
+    ]
+
+
+def test_tensorboard_samples_table_escapes_pipes_and_newlines(tmp_path):
+    """A completion's "|" would end its markdown cell and a newline its row: they are written as \\| and <br>."""
+    from comarl.tracking import TensorBoardSink
+
+    sink = TensorBoardSink(tmp_path)
+    texts = []
+    sink.writer.close()
+    sink.writer = type("Writer", (), {"add_text": lambda self, *args: texts.append(args)})()
+    sink.log_samples(2, ["step", "completion"], [[2, "a|b\nc"]])
+    assert texts == [("samples", "| step | completion |\n| --- | --- |\n| 2 | a\\|b<br>c |", 2)]
+
+
+def test_tensorboard_of_a_resumed_run_hides_the_steps_it_redoes(tmp_path):
+    """A run stopped after step 3 resumes from its checkpoint at step 2: step 3 is logged again and shows once, with
+    the new value; steps 1 and 2 stay."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    from comarl.tracking import TensorBoardSink
+
+    first = TensorBoardSink(tmp_path, start_step=0)
+    for step in (1, 2, 3):
+        first.log(step, {"reward": float(step)})
+    first.close()
+    resumed = TensorBoardSink(tmp_path, start_step=2)
+    resumed.log(3, {"reward": 30.0})
+    resumed.close()
+    events = EventAccumulator(str(tmp_path))
+    events.Reload()
+    assert [(p.step, p.value) for p in events.Scalars("reward")] == [(1, 1.0), (2, 2.0), (3, 30.0)]
+
+
+def test_advance_moves_the_bar_to_the_step(tmp_path):
+    """advance(step) sets the bar to step of total_steps (a resumed run starts it at its checkpoint's step)."""
+    with RunLogger(tmp_path, total_steps=5, description="demo") as logger:
+        logger.advance(3)
+        logger.advance(4)
+        assert logger._progress.tasks[0].completed == 4
+
+
+def test_closing_a_logger_that_logged_nothing_draws_no_plot(tmp_path):
+    """A run that stops before its first logged step has no metrics.jsonl: close writes no plot and raises nothing."""
+    RunLogger(tmp_path, total_steps=3, console=False).close()
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_read_metrics_skips_blank_lines_and_refuses_rows_that_are_not_metrics(tmp_path):
+    """Blank lines are skipped; a row without an integer step, or a corrupt row that was written whole (it ends in a
+    newline, so no crash cut it off), is an error naming its line."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 1, "reward": 0.5}\n\n{"step": 2, "reward": 0.75}\n')
+    assert read_metrics(path) == [{"step": 1, "reward": 0.5}, {"step": 2, "reward": 0.75}]
+    for second_row, problem in (
+        ('{"reward": 0.75}', "a metrics row is a JSON object with an integer 'step'"),
+        ('{"step": "2"}', "a metrics row is a JSON object with an integer 'step'"),
+        ('{"step": 2, "rew', "not a JSON object"),
+    ):
+        path.write_text('{"step": 1}\n' + second_row + "\n")
+        with pytest.raises(ValueError, match=f"metrics.jsonl, line 2: {problem}"):
+            read_metrics(path)
+
+
+def _png_size(path):
+    """Width and height in pixels, from the PNG's header chunk."""
+    data = path.read_bytes()
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
+
+
+def test_plot_draws_one_panel_per_key_with_train_or_eval_values(tmp_path):
+    """By default reward and success, each a 5 x 3.5 inch panel at 100 dpi; a key logged only as eval/<key> has its
+    panel; a key whose values are all null (NaN, inf) has none."""
+    metrics = tmp_path / "metrics.jsonl"
+    metrics.write_text('{"step": 1, "eval/success": 0.5}\n{"step": 2, "reward": 1.0}\n')
+    assert _png_size(plot_metrics(metrics, tmp_path / "both.png")) == (2 * 500, 350)
+    metrics.write_text('{"step": 1, "reward": null, "success": 0.5}\n{"step": 2, "reward": null}\n')
+    assert _png_size(plot_metrics(metrics, tmp_path / "one.png")) == (500, 350)
+
+
+def test_run_config_keeps_the_order_it_is_given(tmp_path):
+    """config.yaml reads trainer, agents, then the args in their order (not sorted by name)."""
+    from comarl.tracking import write_run_config
+
+    config = {
+        "trainer": "MAGRPOTrainer",
+        "agents": [{"source": "m"}],
+        "args": {"seed": 1, "learning_rate": 0.5},
+    }
+    write_run_config(tmp_path, config)
+    text = "trainer: MAGRPOTrainer\nagents:\n- source: m\nargs:\n  seed: 1\n  learning_rate: 0.5\n"
+    assert (tmp_path / "config.yaml").read_text() == text
