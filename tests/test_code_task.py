@@ -670,6 +670,10 @@ def test_extract_code_and_prompts():
     # a fence inside a list item: its indentation comes off (the function became a nested def, returning None)
     listed = "1. The code:\n   ```python\n   def f(x):\n       return x\n   ```\n"
     assert extract_code(listed, "f") == "def f(x):\n    return x\n"
+    # imports in a block of their own stay in front (they were lost); a usage example's import is not taken
+    split = "```python\nimport math\n```\n```python\nfrom m import f\nprint(f(1))\n```\n```python\ndef f(x):\n    return math.floor(x)\n```"
+    assert extract_code(split, "f") == "import math\ndef f(x):\n    return math.floor(x)\n"
+    assert extract_code("```python\nimport math\n```", "f") == "import math\n"  # the only block: once
     helper, main = code.helper_prompt(TWO), code.main_prompt(TWO)
     assert (
         TWO["prompt"] in helper

@@ -247,7 +247,7 @@ def extract_code(completion: str, name: str | None = None) -> str:
     top level (the first block when none does, or without ``name``: an answer may show a usage example
     before its solution); the whole text when there is no fence. An unclosed fence runs to the end of the
     text; a fence indented at the start of its line (inside a list item) has that indentation removed from
-    its lines."""
+    its lines. Blocks that hold only import statements are kept too, in front of it."""
     blocks = []
     for match in FENCED_BLOCK.finditer(completion):
         indent, code = match.group(1), match.group(2)
@@ -259,9 +259,12 @@ def extract_code(completion: str, name: str | None = None) -> str:
         blocks.append(code)
     if not blocks:
         return completion
+    chosen = blocks[0]
     if name is not None:
-        return next((code for code in blocks if name in _top_level_functions(code)), blocks[0])
-    return blocks[0]
+        chosen = next((code for code in blocks if name in _top_level_functions(code)), blocks[0])
+    # an answer may put its imports in a block of their own (```import math``` then the function)
+    imports = [code for code in blocks if code is not chosen and _only_imports(code)]
+    return "".join(code if code.endswith("\n") else code + "\n" for code in imports) + chosen
 
 
 def _complete_function(code: str, item: Item) -> str:
@@ -747,6 +750,15 @@ def _top_level_functions(code: str) -> set[str]:
     except (SyntaxError, ValueError, RecursionError, MemoryError):
         return set()
     return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
+
+
+def _only_imports(code: str) -> bool:
+    """Whether ``code`` parses and all its (at least one) top-level statements are imports."""
+    try:
+        tree = ast.parse(code)
+    except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return False
+    return bool(tree.body) and all(isinstance(n, (ast.Import, ast.ImportFrom)) for n in tree.body)
 
 
 def _calls(code: str, name: str) -> bool:
