@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -29,6 +30,68 @@ def test_views_differ_and_name_the_open_places():
         demo.formatter(1)(item)
         == "bob is in paris . the cafe and the park are open . where will you meet alice ?"
     )
+
+
+def test_first_word_is_the_lowercased_first_word_without_punctuation():
+    assert demo.first_word("Park. then cafe") == "park"
+    assert demo.first_word(' ... "Cafe!" now') == "cafe"  # a word of punctuation alone is skipped
+    assert demo.first_word(" ?! ") == ""
+    assert demo.first_word("") == ""
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "message"),
+    [
+        ({"split": "test"}, "load_items: split='test'; choose 'train' or 'eval'"),
+        ({"source": "hub"}, "load_items: source='hub'; the demo's items are 'local' only"),
+    ],
+)
+def test_demo_load_items_refuses_other_splits_and_sources(kwargs, message):
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        demo.load_items(**kwargs)
+
+
+def test_demo_load_items_are_the_same_36_items_for_both_splits():
+    train, evaluation = demo.load_items("train"), demo.load_items("eval")
+    assert train == evaluation and len(train) == 36
+    assert train[0] == {"city": "paris", "open_places": ["cafe", "park"], "id": "paris/cafe+park"}
+    assert train[-1]["id"] == "delhi/museum+station"
+    assert len({item["id"] for item in train}) == 36
+
+
+@pytest.mark.parametrize(("num_agents", "num_turns"), [(2, 2), (3, 1), (1, 1)])
+def test_demo_make_env_is_one_turn_of_two_agents(num_agents, num_turns):
+    with pytest.raises(
+        ValueError,
+        match=rf"^num_agents={num_agents}, num_turns={num_turns}: the meeting game is one turn of two agents$",
+    ):
+        demo.make_env(num_agents, num_turns)
+
+
+def test_demo_env_shows_each_agent_its_view_and_succeeds_only_on_a_meeting():
+    env = demo.make_env()
+    item = {"city": "lima", "open_places": ["museum", "station"]}
+    assert env.reset(item) == [demo.formatter(0)(item), demo.formatter(1)(item)]
+    both_open = env.step(["museum", "station"])  # 0.25 each for an open place, but they do not meet
+    assert both_open.rewards == [0.5, 0.5] and both_open.done and both_open.info["success"] is False
+    env.reset(item)
+    met = env.step(["Station .", "station"])
+    assert met.rewards == [1.0, 1.0] and met.info["success"] is True
+
+
+def test_demo_corpus_knows_every_word_of_the_pipeline_prompt():
+    """Bob's pipeline prompt ("... alice meets at the <answer> .") has no word the tiny tokenizers lack."""
+    words = {word for line in demo.corpus() for word in line.split()}
+    for item in demo.dataset():
+        for answer in demo.PLACES:
+            assert set(demo.pipeline_prompt(item, f"{answer} .").split()) <= words, (item, answer)
+
+
+def test_demo_build_team_writes_a_llama_alice_and_a_gpt2_bob(tmp_path):
+    paths = demo.build_team(tmp_path)
+    assert paths == demo.team_folders(tmp_path) == [tmp_path / "alice-llama", tmp_path / "bob-gpt2"]
+    types = [json.loads((p / "config.json").read_text())["model_type"] for p in paths]
+    assert types == ["llama", "gpt2"]
 
 
 @pytest.mark.slow
@@ -204,6 +267,98 @@ def test_run_demo_gives_back_the_callers_thread_count(tmp_path):
         assert torch.get_num_threads() == 2  # the demo runs on one thread, the caller's setting comes back
     finally:
         torch.set_num_threads(threads)
+
+
+class _FakeTrainer:
+    """Stands in for MAGRPOTrainer in run_demo: records what the demo asks of it."""
+
+    made: list[_FakeTrainer] = []
+
+    def __init__(self, agents, train_dataset, eval_dataset, reward_func, formatters, args):
+        import torch
+
+        self.agents, self.train_dataset, self.eval_dataset, self.args = (
+            agents,
+            train_dataset,
+            eval_dataset,
+            args,
+        )
+        self.reward_func, self.formatters = reward_func, formatters
+        self.team, self.engine = ["alice-agent", "bob-agent"], self
+        self.evaluations, self.generations, self.train_threads = [], [], None
+        self.threads_made = torch.get_num_threads()
+        _FakeTrainer.made.append(self)
+
+    def evaluate(self, **kwargs):
+        self.evaluations.append(kwargs)
+        before = len(self.evaluations) == 1
+        return {"eval/success": 0.01 if before else 0.9, "eval/reward": 0.2 if before else 0.95}
+
+    def train(self):
+        import torch
+
+        self.train_threads = torch.get_num_threads()
+
+    def generate(self, agent, prompts, num_generations, params):
+        from types import SimpleNamespace
+
+        self.generations.append((agent, list(prompts), num_generations, params))
+        return SimpleNamespace(completions=["Museum ." if agent == "alice-agent" else "cafe now"])
+
+
+def test_run_demo_trains_the_team_it_built_and_reports_before_and_after(tmp_path, monkeypatch):
+    import torch
+
+    built = []
+    monkeypatch.setattr(
+        demo, "build_team", lambda base, seed=0: built.append((base, seed)) or [base / "a", base / "b"]
+    )
+    _FakeTrainer.made = []
+    run = tmp_path / "new" / "run"
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        summary = demo.run_demo(_FakeTrainer, run, max_steps=7, seed=5, progress_bar=False)
+        assert torch.get_num_threads() == 2  # the caller's setting comes back
+    finally:
+        torch.set_num_threads(threads)
+    assert run.is_dir() and built == [(run / "base_models", 5)]
+    (trainer,) = _FakeTrainer.made
+    assert trainer.agents == [str(run / "base_models" / "a"), str(run / "base_models" / "b")]
+    assert trainer.train_dataset == trainer.eval_dataset == demo.dataset()
+    assert trainer.reward_func is demo.meeting_reward
+    args = trainer.args
+    assert (args.max_steps, args.seed, args.output_dir, args.progress_bar) == (7, 5, str(run), False)
+    assert (args.joint_mode, args.reward_call, args.success_threshold) == ("cross", "batched", 1.0)
+    assert trainer.train_threads == 1  # trained on one thread
+    # sampled before training (chance level), greedy after
+    assert trainer.evaluations == [{"do_sample": True, "num_generations": 8}, {}]
+    assert summary == {
+        "run_dir": str(run),
+        "success_before": 0.01,
+        "success_after": 0.9,
+        "reward_before": 0.2,
+        "reward_after": 0.95,
+        "conventions": {
+            f"{a} / {b}": ["museum", "cafe"]
+            for a, b in [
+                ("cafe", "park"),
+                ("cafe", "museum"),
+                ("cafe", "station"),
+                ("park", "museum"),
+                ("park", "station"),
+                ("museum", "station"),
+            ]
+        },
+    }
+    # the conventions are each agent's greedy answer to its own view of the items in paris
+    paris = demo.dataset(["paris"])
+    assert [(agent, prompts) for agent, prompts, _, _ in trainer.generations] == [
+        (agent, [demo.formatter(i)(item)])
+        for item in paris
+        for i, agent in enumerate(["alice-agent", "bob-agent"])
+    ]
+    assert {(n, p.do_sample, p.max_new_tokens) for _, _, n, p in trainer.generations} == {(1, False, 3)}
 
 
 def test_cli_demo_names_the_command_that_evaluates_its_team_and_that_command_runs(tmp_path, capsys):

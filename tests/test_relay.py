@@ -19,6 +19,49 @@ def test_relay_transition_ends_on_a_match_and_reports_the_partner():
     ]
 
 
+def test_relay_views_only_alice_sees_the_open_places():
+    item = {"city": "oslo", "open_places": ["park", "cafe"]}
+    assert (
+        relay.formatter(0)(item)
+        == "alice is in oslo . the park and the cafe are open . where will you meet bob ?"
+    )
+    assert relay.formatter(1)(item) == "bob is in oslo . where will you meet alice ?"
+
+
+def test_relay_transition_reports_an_empty_answer_as_nothing():
+    item = {"city": "oslo", "open_places": ["park", "cafe"]}
+    assert relay.relay_transition(item, ["", "museum"], History.empty(2)) == [
+        "bob said museum . the park and the cafe are open . where will you meet bob ?",
+        "alice said nothing . where will you meet alice ?",
+    ]
+    assert relay.relay_transition(item, ["?! park", " ."], History.empty(2))[0].startswith(
+        "bob said nothing . the park"
+    )
+
+
+def test_relay_corpus_knows_every_word_of_both_turns():
+    words = {word for line in relay.corpus() for word in line.split()}
+    for item in relay.dataset():
+        assert set(relay.formatter(0)(item).split()) | set(relay.formatter(1)(item).split()) <= words
+        for a in (*PLACES, ""):
+            for b in (*PLACES, ""):
+                for prompt in relay.relay_transition(item, [a, b], History.empty(2)) or []:
+                    assert set(prompt.split()) <= words, (item, a, b)
+
+
+def test_relay_team_tokenizers_know_the_second_turn(tmp_path):
+    """The team is the demo's two models, with tokenizers trained on the relay's text: no <unk> at turn 2."""
+    from transformers import AutoTokenizer
+
+    item = {"city": "oslo", "open_places": ["park", "cafe"]}
+    turn_2 = relay.relay_transition(item, ["", "museum"], History.empty(2))
+    for path in relay.build_team(tmp_path):
+        tokenizer = AutoTokenizer.from_pretrained(path)
+        for prompt in turn_2:
+            tokens = tokenizer.tokenize(prompt)
+            assert tokens == prompt.split(), (path.name, tokens)
+
+
 def _episode_return(item, turns, discount):
     """The discounted team return of playing ``turns`` (joint answers) until the episode ends."""
     env = FunctionEnv(

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -46,6 +48,45 @@ def test_hide_and_seek_rounds_stay_within_the_tiny_vocabulary():
         selfplay.HideAndSeek(rounds=10)
 
 
+@pytest.mark.parametrize("rounds", [0, -1, 10, True, 2.0, "3", None])
+def test_hide_and_seek_refuses_rounds_that_are_not_an_integer_from_1_to_9(rounds):
+    with pytest.raises(
+        ValueError, match=rf"^HideAndSeek: rounds={re.escape(repr(rounds))}: choose an integer from 1 to 9 "
+    ):
+        selfplay.HideAndSeek(rounds=rounds)
+
+
+def test_hide_and_seek_reset_starts_a_new_game_and_scores_only_real_places():
+    env = selfplay.HideAndSeek(rounds=3)
+    env.reset({})
+    first = env.step(["park", "park"])  # found
+    # a place that is not one: neither hidden nor found, even when the seeker names it too
+    second = env.step(["banana", "banana"])
+    assert second.rewards == [0.0, 0.0] and not second.done
+    last = env.step(["cafe", "park"])  # hidden
+    assert last.done and last.observations is None  # the game is over: no next round to show
+    # each step reports the score after it, kept as it was by the later steps
+    assert [r.info["score"] for r in (first, second, last)] == [[0, 1], [0, 1], [1, 1]]
+    assert env.reset({}) == [
+        "round 1 . score hider 0 seeker 0 . hide in a place :",
+        "round 1 . score hider 0 seeker 0 . where is the hider ?",
+    ]
+    assert env.step(["cafe", "park"]).info["score"] == [1, 0]
+
+
+def test_self_play_dataset_is_one_item_per_game():
+    assert selfplay.dataset() == [{"game": 0}, {"game": 1}, {"game": 2}, {"game": 3}]
+    assert selfplay.dataset(2) == [{"game": 0}, {"game": 1}]
+
+
+def test_self_play_hider_and_seeker_start_as_different_models(tmp_path):
+    from safetensors.torch import load_file
+
+    hider, seeker = (load_file(p / "model.safetensors") for p in selfplay.build_team(tmp_path))
+    assert hider.keys() == seeker.keys()
+    assert any(not torch.equal(hider[name], seeker[name]) for name in hider)
+
+
 def test_self_play_trains_over_rounds(tmp_path):
     args = MAGRPOConfig(
         prompts_per_step=2,
@@ -85,6 +126,29 @@ def test_revise_transition_uses_the_agents_own_previous_answer():
     )
     assert selfimprove.revise_transition(item, ["station ."], history)[0].startswith("you said station .")
     assert selfimprove.revise_transition(item, ["cafe"], History([[""]], [["cafe"]])) is None
+
+
+def test_open_place_reward_by_hand():
+    completions = ["Park .", "museum", "", "cafe park", "the cafe"]
+    open_places = [["park", "cafe"]] * 5
+    assert selfimprove.open_place_reward(completions, open_places) == [1.0, 0.0, 0.0, 1.0, 0.0]
+
+
+def test_revise_transition_reports_an_empty_answer_as_nothing():
+    item = {"city": "lima", "open_places": ["park", "cafe"]}
+    feedback = selfimprove.revise_transition(item, [" . "], History([[""]], [[" . "]]))
+    assert feedback == [
+        "you said nothing . the nothing is closed . the park and the cafe are open . which place is open ?"
+    ]
+
+
+def test_self_improvement_corpus_knows_every_prompt():
+    words = {word for line in selfimprove.corpus() for word in line.split()}
+    for item in selfimprove.dataset():
+        assert set(selfimprove.formatter(item).split()) <= words
+        for said in (*selfplay.PLACES, ""):
+            for prompt in selfimprove.revise_transition(item, [said], History([[""]], [[said]])) or []:
+                assert set(prompt.split()) <= words, (item, said)
 
 
 def test_self_improvement_trains_one_agent_over_turns(tmp_path):
