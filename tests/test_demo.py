@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+from pathlib import Path
 
 import pytest
 
@@ -368,3 +369,352 @@ def test_cli_demo_names_the_command_that_evaluates_its_team_and_that_command_run
     assert hint == f"evaluate it again: comarl eval --task demo --run {out}"
     assert main(hint.removeprefix("evaluate it again: comarl ").split()) == 0
     assert "reward/meeting_reward" in capsys.readouterr().out
+
+
+# ----------------------------------------------------------------------------- the CLI's wiring, without a model
+
+
+def _fake_run_demo(monkeypatch):
+    calls = []
+
+    def run_demo(trainer_cls, out, max_steps, seed, progress_bar):
+        calls.append((trainer_cls, out, max_steps, seed, progress_bar))
+        return {
+            "run_dir": str(out),
+            "success_before": 0.25,
+            "success_after": 0.875,
+            "conventions": {"cafe / park": ["park", "park"], "museum / station": ["museum", "station"]},
+        }
+
+    monkeypatch.setattr(demo, "run_demo", run_demo)
+    return calls
+
+
+def test_cli_demo_passes_its_flags_and_prints_the_summary(tmp_path, capsys, monkeypatch):
+    calls = _fake_run_demo(monkeypatch)
+    out = tmp_path / "runs" / "nested" / "demo"  # parents are made
+    argv = ["demo", "--out", str(out), "--steps", "7", "--seed", str(2**31 - 1), "--no-progress"]
+    assert main(argv) == 0
+    assert calls == [(MAGRPOTrainer, str(out), 7, 2**31 - 1, False)]
+    assert out.is_dir()
+    assert capsys.readouterr().out.splitlines() == [
+        "joint success: 25.0% before training (sampled) -> 87.5% after (greedy)",
+        "the trained team's greedy answers in one city (open places -> alice's / bob's answer):",
+        "  cafe / park        -> park / park",
+        "  museum / station   -> museum / station",
+        f"run folder: {out} (config.yaml, metrics.jsonl, plot.png, samples.jsonl, agents/)",
+        f"evaluate it again: comarl eval --task demo --run {out}",
+    ]
+    # the defaults: a new runs/demo-<time> folder, 300 steps, seed 0, a progress bar
+    assert main(["demo"]) == 0
+    assert calls[1] == (MAGRPOTrainer, None, demo.DEMO_STEPS, 0, True) and demo.DEMO_STEPS == 300
+
+
+@pytest.fixture
+def fake_trainer(monkeypatch):
+    """MAGRPOTrainer as `comarl train` sees it, replaced by a recorder: no model loads. ``made`` holds each
+    construction's keyword arguments, ``trained`` each train() call's resume_from_checkpoint."""
+    from comarl.trainers import magrpo
+
+    class Recorder:
+        made: list = []
+        trained: list = []
+        metrics = {"reward": 0.123456, "time/step": 1.5, "agent_0/lr": 1e-5}
+        processes = None
+        step, total_steps = 3, 3
+
+        def __init__(self, **kwargs):
+            self.made.append(kwargs)
+
+        def train(self, resume_from_checkpoint=None):
+            self.trained.append(resume_from_checkpoint)
+            return dict(self.metrics)
+
+    Recorder.made, Recorder.trained = [], []
+    monkeypatch.setattr(magrpo, "MAGRPOTrainer", Recorder)
+    return Recorder
+
+
+def test_cli_train_demo_builds_the_team_in_base_models_with_the_runs_seed(
+    tmp_path, monkeypatch, fake_trainer
+):
+    """The README: the run folder holds base_models/, the untrained tiny models; without output_dir they go to
+    runs/demo/base_models. The team is built with args.seed."""
+    built = []
+    monkeypatch.setattr(demo, "build_team", lambda base, seed=0: built.append((base, seed)) or ["a", "b"])
+    monkeypatch.chdir(tmp_path)
+    spec = tmp_path / "run.yaml"
+    spec.write_text("task: demo\nargs: {seed: 7, progress_bar: false}\n")
+    assert main(["train", str(spec)]) == 0
+    assert main(["train", str(spec), "--set", f"output_dir={tmp_path / 'out'}"]) == 0
+    assert built == [(Path("runs/demo/base_models"), 7), (tmp_path / "out" / "base_models", 7)]
+    assert [kwargs["agents"] for kwargs in fake_trainer.made] == [["a", "b"], ["a", "b"]]
+    assert fake_trainer.trained == [None, None]  # a new run, not a resumed one
+
+
+def test_cli_train_prints_the_summary_once_per_run_without_timings(
+    tmp_path, capsys, monkeypatch, fake_trainer
+):
+    from types import SimpleNamespace
+
+    from comarl import distributed
+
+    finished = []
+    monkeypatch.setattr(distributed, "finish", lambda code=0: finished.append(code))
+    monkeypatch.setattr(demo, "build_team", lambda base, seed=0: ["a", "b"])
+    spec = tmp_path / "run.yaml"
+    spec.write_text("task: demo\n")
+    assert main(["train", str(spec)]) == 0
+    assert capsys.readouterr().out == '{\n "reward": 0.1235,\n "agent_0/lr": 1e-05\n}\n'
+    assert finished == []  # one process: a normal exit
+    # under torchrun: rank 0 prints, the other ranks do not, and every rank leaves through finish(0)
+    for rank, printed in ((0, '{\n "reward": 0.1235,\n "agent_0/lr": 1e-05\n}\n'), (1, "")):
+        monkeypatch.setattr(fake_trainer, "processes", SimpleNamespace(rank=rank))
+        assert main(["train", str(spec)]) == 0
+        assert capsys.readouterr().out == printed
+    assert finished == [0, 0]
+
+
+def test_cli_resume_checks_the_newest_checkpoint_with_the_runs_team_and_processes(
+    tmp_path, monkeypatch, fake_trainer
+):
+    from comarl import checkpoint
+
+    found = [tmp_path / "checkpoints" / "step_2", tmp_path / "checkpoints" / "step_4"]
+    checks = []
+    monkeypatch.setattr(
+        checkpoint, "completed_checkpoints", lambda out: found if out == str(tmp_path) else []
+    )
+    monkeypatch.setattr(checkpoint, "check_resumable", lambda *args: checks.append(args))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    (tmp_path / "data.jsonl").write_text('{"prompt": "a"}\n{"prompt": "b"}\n')
+    (tmp_path / "rewards.py").write_text("def longer(a, b):\n    return [len(x) for x in a]\n")
+    spec = tmp_path / "run.yaml"
+    common = (
+        f"task: function\ndataset: {tmp_path / 'data.jsonl'}\n"
+        f"reward_funcs: ['{tmp_path / 'rewards.py'}:longer']\n"
+    )
+    spec.write_text(common + f"agents: [x, y, z]\nargs: {{output_dir: {tmp_path}, data_parallel: true}}\n")
+    assert main(["train", str(spec), "--resume"]) == 0
+    spec.write_text(common + f"model: m\nnum_agents: 3\nargs: {{output_dir: {tmp_path}}}\n")
+    assert main(["train", str(spec), "--resume"]) == 0
+    # the newest checkpoint; WORLD_SIZE processes under data_parallel, one without; the team's sources
+    assert [(c[0], c[1], c[2], c[3], c[5]) for c in checks] == [
+        (found[1], fake_trainer.__name__, 3, 4, ["x", "y", "z"]),
+        (found[1], fake_trainer.__name__, 3, 1, ["m", "m", "m"]),
+    ]
+    assert fake_trainer.trained == [True, True]
+
+
+def test_cli_train_code_and_writing_read_the_spec_source_and_turns(tmp_path, monkeypatch, fake_trainer):
+    from types import SimpleNamespace
+
+    from comarl import evaluation
+
+    calls = []
+
+    class Env:
+        def close(self):
+            calls.append("closed")
+
+    def load_items(split, source):
+        calls.append((split, source))
+        return [{"id": f"{split}-{source}"}] * 4
+
+    protocol = SimpleNamespace(
+        default_source="local",
+        load_items=load_items,
+        make_env=lambda num_agents, num_turns: calls.append(("env", num_agents, num_turns)) or Env(),
+    )
+    monkeypatch.setattr(evaluation, "task_protocol", lambda task: protocol)
+    spec = tmp_path / "run.yaml"
+    spec.write_text("task: writing\nmodel: m\nnum_agents: 3\nsource: tldr\nargs: {num_turns: 2}\n")
+    assert main(["train", str(spec)]) == 0
+    assert calls == [("env", 3, 2), ("train", "tldr"), ("eval", "tldr"), "closed"]
+    made = fake_trainer.made[0]
+    assert made["train_dataset"][0] == {"id": "train-tldr"} and made["eval_dataset"][0] == {"id": "eval-tldr"}
+    assert (made["model"], made["agents"], made["num_agents"]) == ("m", None, 3)
+    calls.clear()
+    spec.write_text("task: writing\nmodel: m\n")
+    assert main(["train", str(spec)]) == 0
+    assert calls == [("env", 2, 1), ("train", "local"), ("eval", "local"), "closed"]
+
+
+def _function_spec(tmp_path, dataset, *, reward="rewards.py:longer", extra=""):
+    (tmp_path / "rewards.py").write_text(
+        "def longer(a, b):\n    return [len(x) for x in a]\n\nnot_a_function = 3\n"
+    )
+    reward = reward.replace("rewards.py", str(tmp_path / "rewards.py"))
+    spec = tmp_path / "run.yaml"
+    spec.write_text(
+        f"task: function\nmodel: m\ndataset: {dataset}\nreward_funcs: ['{reward}']\n{extra}"
+        "args: {max_steps: 1, progress_bar: false, prompts_per_step: 1}\n"
+    )
+    return str(spec)
+
+
+def test_cli_function_task_reads_json_and_jsonl_and_formats_the_prompt_column(tmp_path, fake_trainer):
+    (tmp_path / "train.jsonl").write_text('{"text": "a"}\n\n{"text": "b"}\n  \n')  # blank lines are skipped
+    (tmp_path / "eval.json").write_text('[{"text": "c"}]')
+    extra = f"eval_dataset: {tmp_path / 'eval.json'}\nprompt_column: text\n"
+    assert main(["train", _function_spec(tmp_path, tmp_path / "train.jsonl", extra=extra)]) == 0
+    made = fake_trainer.made[0]
+    assert made["train_dataset"] == [{"text": "a"}, {"text": "b"}] and made["eval_dataset"] == [{"text": "c"}]
+    assert made["formatters"]({"text": "hello", "prompt": "no"}) == "hello"
+    assert [f.__name__ for f in made["reward_func"]] == ["longer"]
+
+
+def test_cli_function_task_loads_the_train_split_of_a_hub_dataset(tmp_path, monkeypatch, fake_trainer):
+    import datasets
+
+    loads = []
+
+    def load_dataset(name, split=None):
+        loads.append((name, split))
+        return [{"prompt": "a"}] if split == "train" else {"train": [{"prompt": "a"}]}
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    assert main(["train", _function_spec(tmp_path, "user/prompts")]) == 0
+    assert loads == [("user/prompts", "train")] and fake_trainer.made[0]["train_dataset"] == [{"prompt": "a"}]
+
+
+@pytest.mark.parametrize(
+    ("name", "text", "message"),
+    [
+        ("missing.jsonl", None, "dataset: {path} does not exist"),
+        ("missing.json", None, "dataset: {path} does not exist"),
+        ("dict.json", '{"prompt": "a"}', "dataset: {path} must hold a JSON list of objects"),
+        ("numbers.json", "[1, 2]", "prompt_column='prompt': the first item of dataset has no such key (int)"),
+        (
+            "keys.jsonl",
+            '{"text": "a", "b": 1, "a": 2}\n',
+            "prompt_column='prompt': the first item of dataset has no such key (['a', 'b', 'text'])",
+        ),
+    ],
+)
+def test_cli_function_task_refuses_each_bad_dataset(tmp_path, capsys, fake_trainer, name, text, message):
+    path = tmp_path / name
+    if text is not None:
+        path.write_text(text)
+    assert main(["train", _function_spec(tmp_path, path)]) == 2
+    assert capsys.readouterr().err == f"comarl: error: {message.format(path=path)}\n"
+    assert fake_trainer.made == []
+
+
+def test_cli_function_task_checks_the_eval_datasets_prompt_column_too(tmp_path, capsys, fake_trainer):
+    (tmp_path / "train.jsonl").write_text('{"prompt": "a"}\n')
+    (tmp_path / "eval.jsonl").write_text('{"question": "a"}\n')
+    spec = _function_spec(
+        tmp_path, tmp_path / "train.jsonl", extra=f"eval_dataset: {tmp_path / 'eval.jsonl'}\n"
+    )
+    assert main(["train", spec]) == 2
+    assert capsys.readouterr().err == (
+        "comarl: error: prompt_column='prompt': the first item of eval_dataset has no such key (['question'])\n"
+    )
+
+
+def test_cli_function_task_an_empty_dataset_is_the_trainers_one_line_error(tmp_path, qwen_bpe, capsys):
+    """An empty dataset has no first item to check: the trainer says it is too small (no IndexError)."""
+    (tmp_path / "empty.jsonl").write_text("\n")
+    spec = _function_spec(tmp_path, tmp_path / "empty.jsonl")
+    text = (tmp_path / "run.yaml").read_text().replace("model: m", f"model: {qwen_bpe}")
+    (tmp_path / "run.yaml").write_text(text)
+    assert main(["train", spec]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("comarl: error: prompts_per_step=1 but the training dataset has 0 items") and (
+        err.count("\n") == 1
+    )
+
+
+def test_cli_function_task_a_hub_dataset_that_cannot_load_is_one_line(tmp_path, capsys, monkeypatch):
+    import datasets
+
+    def load_dataset(name, split=None):
+        raise ConnectionError(
+            "Couldn't reach 'user/prompts' on the Hub (LocalEntryNotFoundError)\nmore detail"
+        )
+
+    monkeypatch.setattr(datasets, "load_dataset", load_dataset)
+    assert main(["train", _function_spec(tmp_path, "user/prompts")]) == 2
+    assert capsys.readouterr().err == (
+        "comarl: error: dataset: cannot load 'user/prompts' (Couldn't reach 'user/prompts' on the Hub "
+        "(LocalEntryNotFoundError)); give a .json/.jsonl path or a datasets hub name\n"
+    )
+
+
+@pytest.mark.parametrize(
+    ("reward", "message"),
+    [
+        ("longer", "reward_funcs: 'longer' must look like 'module:function' or 'file.py:function'"),
+        ("missing.py:longer", "reward_funcs: missing.py does not exist"),
+        (
+            "no_such_module_xyz:longer",
+            "reward_funcs: cannot import 'no_such_module_xyz': No module named 'no_such_module_xyz'",
+        ),
+        ("rewards.py:shorter", "reward_funcs: {rewards} has no function 'shorter'"),
+        ("rewards.py:not_a_function", "reward_funcs: {rewards} has no function 'not_a_function'"),
+    ],
+)
+def test_cli_function_task_refuses_each_bad_reward_function(tmp_path, capsys, fake_trainer, reward, message):
+    (tmp_path / "data.jsonl").write_text('{"prompt": "a"}\n')
+    assert main(["train", _function_spec(tmp_path, tmp_path / "data.jsonl", reward=reward)]) == 2
+    assert capsys.readouterr().err == f"comarl: error: {message.format(rewards=tmp_path / 'rewards.py')}\n"
+    assert fake_trainer.made == []
+
+
+def test_cli_reward_function_file_in_a_folder_whose_name_has_a_colon(tmp_path, fake_trainer):
+    """The function is what follows the last ':' ('package.module:function' or 'path/to/file.py:function')."""
+    folder = tmp_path / "a:b"
+    folder.mkdir()
+    (tmp_path / "data.jsonl").write_text('{"prompt": "a"}\n')
+    spec = _function_spec(tmp_path, tmp_path / "data.jsonl")
+    (folder / "rewards.py").write_text("def longer(a, b):\n    return [len(x) for x in a]\n")
+    text = (
+        (tmp_path / "run.yaml").read_text().replace(str(tmp_path / "rewards.py"), str(folder / "rewards.py"))
+    )
+    (tmp_path / "run.yaml").write_text(text)
+    assert main(["train", spec]) == 0
+    assert [f.__name__ for f in fake_trainer.made[0]["reward_func"]] == ["longer"]
+
+
+def test_cli_fields_lists_a_trainers_fields_and_refuses_an_unknown_one(capsys):
+    assert main(["fields"]) == 0  # magrpo by default
+    lines = capsys.readouterr().out.splitlines()
+    assert (
+        "output_dir                 Run folder for config, metrics, plot, samples and agents (None = no files)."
+        in lines
+    )
+    assert main(["fields", "ppo"]) == 2
+    assert capsys.readouterr().err == (
+        "comarl: error: unknown trainer 'ppo'; choose one of magrpo, mareinforce, marloo, maremax, iac, maac, "
+        "ippo, mappo, madpo, marlhf\n"
+    )
+
+
+def test_cli_bench_runs_the_checkouts_script_with_its_flags(tmp_path, capsys, monkeypatch):
+    import subprocess
+    import sys
+
+    from comarl import cli
+
+    commands = []
+    monkeypatch.setattr(
+        subprocess,
+        "run",
+        lambda command, check: commands.append(command) or subprocess.CompletedProcess(command, 3),
+    )
+    script = str(Path(cli.__file__).resolve().parents[2] / "benchmarks" / "bench.py")
+    assert main(["bench", "--quick", "--repeats", "0", "--threads", "2", "--device", "cuda"]) == 3
+    assert main(["bench"]) == 3  # the script's exit status is comarl's
+    assert commands == [
+        [sys.executable, script, "--threads", "2", "--device", "cuda", "--quick", "--repeats", "0"],
+        [sys.executable, script, "--threads", "1", "--device", "cpu"],
+    ]
+    # an installed comarl (no source checkout beside it) says so
+    monkeypatch.setattr(cli, "__file__", str(tmp_path / "site-packages" / "comarl" / "cli.py"))
+    assert main(["bench"]) == 2
+    assert capsys.readouterr().err == (
+        f"comarl: error: comarl bench runs {tmp_path / 'benchmarks' / 'bench.py'}, which only a source checkout "
+        "has; clone the repository and run it there\n"
+    )
+    assert len(commands) == 2

@@ -713,6 +713,40 @@ def test_cli_eval_a_failed_json_write_is_one_line(team_paths, tmp_path, capsys, 
     assert last == f"comarl: error: --json {out}: cannot write it (No space left on device)"
 
 
+def test_cli_eval_passes_every_flag_to_the_evaluation(tmp_path, capsys, monkeypatch):
+    """Each flag reaches evaluate_task (seen with the model loading and the evaluation recorded, not run)."""
+    from comarl import evaluation
+
+    loaded, evaluated, printed = [], [], []
+    monkeypatch.setattr(
+        evaluation, "load_agents", lambda sources, device: loaded.append((sources, device)) or ["A", "B"]
+    )
+
+    def evaluate_task(*args, **kwargs):
+        evaluated.append((args, kwargs))
+        return {"result": len(evaluated)}
+
+    monkeypatch.setattr(evaluation, "evaluate_task", evaluate_task)
+    monkeypatch.setattr(evaluation, "print_table", printed.append)
+    argv = ["eval", "--task", "code", "--models", "x", "y", "--source", "humaneval", "--samples", "4"]
+    flags = ["--k", "1", "2", "--limit", "2", "--turns", "2", "--temperature", "0.5", "--max-new-tokens", "5"]
+    assert main([*argv, *flags, "--batch-size", "3", "--seed", "9", "--device", "cpu"]) == 0
+    ((args, kwargs),) = evaluated
+    assert args == ("code", ["A", "B"], "team", 4, [1, 2], "eval")
+    items = kwargs.pop("items")
+    assert [item["task_id"] for item in items] == ["HumanEval/0", "HumanEval/1"]
+    assert kwargs == {
+        "source": "humaneval",
+        "limit": 2,
+        "num_turns": 2,
+        "temperature": 0.5,
+        "max_new_tokens": 5,
+        "batch_size": 3,
+        "seed": 9,
+    }
+    assert loaded == [(["x", "y"], "cpu")] and printed == [{"result": 1}]
+
+
 # ----------------------------------------------------------------------------- the JSON file
 
 
