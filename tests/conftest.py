@@ -19,7 +19,7 @@ torch.set_num_threads(1)
 
 @pytest.fixture(scope="session")
 def qwen_bpe(tmp_path_factory: pytest.TempPathFactory) -> str:
-    """A Qwen2 model with a byte-level BPE tokenizer (vocab 1024) and no pad token."""
+    """A Qwen2 model with a byte-level BPE tokenizer (vocab 1024); it loads as Qwen2Tokenizer, pad = eos."""
     return str(tiny_model(tmp_path_factory.mktemp("models") / "qwen2-bpe", kind="bpe", arch="qwen2", seed=0))
 
 

@@ -1,4 +1,5 @@
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -93,19 +94,44 @@ def test_bad_arch(bpe_path, tmp_path):
     assert "qwen2" in str(info.value)
 
 
+def test_a_qwen2_folder_loads_its_bpe_tokenizer_as_qwen2tokenizer(bpe_path, tmp_path):
+    """transformers' rule for every qwen2 folder: Qwen2Tokenizer, pad = eos; text still round-trips."""
+    tokenizer = AutoTokenizer.from_pretrained(build_tiny_model(tmp_path, bpe_path, arch="qwen2"))
+    assert type(tokenizer).__name__ == "Qwen2Tokenizer"
+    assert len(tokenizer) == 1024 and tokenizer.pad_token == tokenizer.eos_token == "<|endoftext|>"
+    text = "def add_12(a, b):\n    return a + b  # Zürich 2024"
+    assert tokenizer.decode(tokenizer.encode(text)) == text
+
+
+def test_qwen2_refuses_a_word_level_tokenizer(tmp_path):
+    """Loaded as Qwen2Tokenizer, a word-level vocabulary came back garbled ("alice meets bob" -> "abb") and one
+    token larger than the model, which Agent then refused."""
+    message = (
+        "arch='qwen2' with a WordLevel tokenizer: transformers loads every qwen2 folder's tokenizer as "
+        "Qwen2Tokenizer (byte-level BPE), which garbles a word-level vocabulary; use arch='llama' or 'gpt2' "
+        "with kind='word'"
+    )
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        tiny_model(tmp_path / "m", kind="word")  # qwen2 is the default arch
+    word = train_tokenizer(default_corpus(), tmp_path / "word", kind="word")
+    with pytest.raises(ValueError, match=f"^{re.escape(message)}$"):
+        build_tiny_model(tmp_path / "q", word, arch="qwen2")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["word"]  # nothing built
+
+
 def test_tiny_model_caches(tmp_path):
-    path = tiny_model(tmp_path / "m", kind="word", hidden_size=32)
+    path = tiny_model(tmp_path / "m", kind="word", arch="llama", hidden_size=32)
     weights_file = path / "model.safetensors"
     first = weights_file.stat().st_mtime_ns
     record = json.loads((path / ".comarl-tiny.json").read_text())
     assert record["kind"] == "word"
     assert record["model_kwargs"] == {"hidden_size": 32}
 
-    assert tiny_model(tmp_path / "m", kind="word", hidden_size=32) == path
+    assert tiny_model(tmp_path / "m", kind="word", arch="llama", hidden_size=32) == path
     assert weights_file.stat().st_mtime_ns == first
 
     before = AutoModelForCausalLM.from_pretrained(path).get_input_embeddings().weight
-    tiny_model(tmp_path / "m", kind="word", hidden_size=32, seed=1)
+    tiny_model(tmp_path / "m", kind="word", arch="llama", hidden_size=32, seed=1)
     after = AutoModelForCausalLM.from_pretrained(path).get_input_embeddings().weight
     assert json.loads((path / ".comarl-tiny.json").read_text())["seed"] == 1
     assert not torch.equal(before, after)
@@ -197,12 +223,12 @@ def test_tiny_model_rebuilds_when_the_texts_vocab_size_or_arch_change(tmp_path):
 
 
 def test_tiny_model_rebuilds_a_folder_with_a_missing_model_or_a_corrupt_record(tmp_path):
-    path = tiny_model(tmp_path / "m", kind="word", hidden_size=32)
+    path = tiny_model(tmp_path / "m", kind="word", arch="llama", hidden_size=32)
     (path / "config.json").unlink()  # the model was deleted, its record kept
-    assert tiny_model(tmp_path / "m", kind="word", hidden_size=32) == path
+    assert tiny_model(tmp_path / "m", kind="word", arch="llama", hidden_size=32) == path
     assert AutoModelForCausalLM.from_pretrained(path).config.hidden_size == 32
     (path / ".comarl-tiny.json").write_text('{"kind": "wo')  # cut short
-    tiny_model(tmp_path / "m", kind="word", hidden_size=32)
+    tiny_model(tmp_path / "m", kind="word", arch="llama", hidden_size=32)
     assert json.loads((path / ".comarl-tiny.json").read_text())["kind"] == "word"
 
 
@@ -215,7 +241,7 @@ def test_tiny_model_builds_beside_the_target_and_leaves_nothing_behind(tmp_path,
     stale = tmp_path / f".m.{os.getpid()}.building"
     stale.mkdir()
     (stale / "stale.bin").write_text("old")
-    path = tiny_model(tmp_path / "m", kind="word", hidden_size=32)
+    path = tiny_model(tmp_path / "m", kind="word", arch="llama", hidden_size=32)
     assert not (path / "stale.bin").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
     # Another process finished the same build while this one built: its folder stays, this build is dropped.
@@ -226,7 +252,7 @@ def test_tiny_model_builds_beside_the_target_and_leaves_nothing_behind(tmp_path,
         return len(looks) > 1 and built(folder, record)
 
     monkeypatch.setattr(tiny, "_built", built_after_the_first_look)
-    assert tiny_model(tmp_path / "m", kind="word", hidden_size=32) == path
+    assert tiny_model(tmp_path / "m", kind="word", arch="llama", hidden_size=32) == path
     assert path.stat().st_ino == inode
     assert sorted(p.name for p in tmp_path.iterdir()) == ["m"]
 
@@ -234,6 +260,6 @@ def test_tiny_model_builds_beside_the_target_and_leaves_nothing_behind(tmp_path,
 def test_tiny_model_with_the_same_arguments_builds_nothing(tmp_path, monkeypatch):
     from comarl import tiny
 
-    path = tiny_model(tmp_path / "m", kind="word", hidden_size=32)
+    path = tiny_model(tmp_path / "m", kind="word", arch="llama", hidden_size=32)
     monkeypatch.setattr(tiny, "train_tokenizer", lambda *args, **kwargs: pytest.fail("built again"))
-    assert tiny_model(tmp_path / "m", kind="word", hidden_size=32) == path
+    assert tiny_model(tmp_path / "m", kind="word", arch="llama", hidden_size=32) == path

@@ -103,10 +103,16 @@ def build_tiny_model(
     loads with ``AutoModelForCausalLM`` and ``AutoTokenizer``. ``arch`` is one of ``"qwen2"``,
     ``"llama"`` or ``"gpt2"`` (gpt2 ignores ``num_kv_heads``). Weights depend only on ``seed``;
     the global torch RNG is left as it was.
+
+    transformers loads the tokenizer of every ``qwen2`` folder as ``Qwen2Tokenizer``: a byte-level BPE
+    rebuilt from the saved vocabulary and merges with Qwen's normaliser and pre-tokenizer, and with pad set
+    to ``<|endoftext|>``. A BPE tokenizer still round-trips (its ids may differ from the trained one's); a
+    word-level one would be garbled, so ``arch="qwen2"`` takes BPE tokenizers only.
     """
     if arch not in ARCHS:
         raise ValueError(f"arch must be one of {ARCHS}, got {arch!r}")
     tokenizer = AutoTokenizer.from_pretrained(tokenizer_path)
+    _check_tokenizer_for_arch(arch, type(tokenizer.backend_tokenizer.model).__name__)
     common: dict[str, Any] = {
         "vocab_size": len(tokenizer),
         "eos_token_id": tokenizer.eos_token_id,
@@ -162,6 +168,7 @@ def tiny_model(
     The arguments (with a hash of the texts) are recorded in ``path/.comarl-tiny.json``; a later
     call with the same arguments returns at once without rebuilding.
     """
+    _check_tokenizer_for_arch(arch, "WordLevel" if kind == "word" else "BPE")
     texts = default_corpus() if texts is None else list(texts)
     record = {
         "texts_sha256": hashlib.sha256(json.dumps(texts).encode()).hexdigest(),
@@ -190,6 +197,17 @@ def tiny_model(
         shutil.rmtree(path)
         os.replace(building, path)
     return path
+
+
+def _check_tokenizer_for_arch(arch: str, tokenizer_model: str) -> None:
+    """``arch="qwen2"`` needs a BPE tokenizer: transformers loads a qwen2 folder's tokenizer as
+    ``Qwen2Tokenizer``, which turns a word-level vocabulary into garbled byte-level BPE (one token larger)."""
+    if arch == "qwen2" and tokenizer_model != "BPE":
+        raise ValueError(
+            f"arch='qwen2' with a {tokenizer_model} tokenizer: transformers loads every qwen2 folder's tokenizer as "
+            "Qwen2Tokenizer (byte-level BPE), which garbles a word-level vocabulary; use arch='llama' or 'gpt2' "
+            "with kind='word'"
+        )
 
 
 def _built(path: Path, record: dict[str, Any]) -> bool:
