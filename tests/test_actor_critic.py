@@ -26,7 +26,15 @@ from comarl.algorithms import (
     value_loss,
     whiten,
 )
-from comarl.critics import VALUE_HEAD_FILE, ValueHead, last_token_hidden, policy_forward
+from comarl.critics import (
+    VALUE_HEAD_FILE,
+    CriticModel,
+    ValueHead,
+    hidden_size,
+    joint_observation,
+    last_token_hidden,
+    policy_forward,
+)
 from comarl.tasks import demo, relay
 
 # ----------------------------------------------------------------------------- TD(lambda) / GAE by hand
@@ -102,6 +110,81 @@ def test_value_head_computes_in_fp32_under_bf16_autocast():
     with torch.autocast("cpu", dtype=torch.bfloat16):
         value = head(torch.zeros(1, 2, dtype=torch.bfloat16))
     assert value.dtype == torch.float32 and value.item() == pytest.approx(3.3, abs=1e-6)
+
+
+def test_a_saved_value_head_loads_back_only_with_its_number_of_outputs(tmp_path):
+    """A head loads back as saved; a folder without one gives a zero head; a head of another width stops by name
+    (it failed inside torch's load_state_dict with a size mismatch)."""
+    head = ValueHead(3, outputs=2)
+    with torch.no_grad():
+        head.linear.weight.copy_(torch.arange(6.0).view(2, 3))
+        head.linear.bias.copy_(torch.tensor([0.5, -0.5]))
+    head.save(tmp_path / "critic")
+    loaded = ValueHead.load_or_new(tmp_path / "critic", 3, 2)
+    assert loaded.linear.weight.tolist() == [[0.0, 1.0, 2.0], [3.0, 4.0, 5.0]]
+    assert loaded.linear.bias.tolist() == [0.5, -0.5]
+    fresh = ValueHead.load_or_new(tmp_path / "no_head_here", 3, 2)
+    assert (
+        fresh(torch.randn(4, 3)).tolist() == [[0.0, 0.0]] * 4
+    )  # starts at 0: early advantages are the returns
+    with pytest.raises(
+        ValueError, match=r"value_head.pt: the saved value head has 2 outputs but this critic needs 1$"
+    ):
+        ValueHead.load_or_new(tmp_path / "critic", 3, 1)
+
+
+def test_hidden_size_of_a_multimodal_config_is_its_text_configs():
+    from types import SimpleNamespace
+
+    from transformers import LlavaConfig
+
+    assert getattr(LlavaConfig(), "hidden_size", None) is None  # kept on the text config
+    assert hidden_size(SimpleNamespace(config=LlavaConfig())) == 4096
+    assert hidden_size(SimpleNamespace(config=SimpleNamespace(hidden_size=24))) == 24
+
+
+def test_joint_observation_text_by_hand():
+    assert joint_observation(["in oslo", "in lima"]) == "agent 0 sees: in oslo\nagent 1 sees: in lima"
+    assert joint_observation(["a", "b"], ["x", "y"]) == (
+        "agent 0 sees: a\nagent 1 sees: b\nagent 0 answers: x\nagent 1 answers: y"
+    )
+
+
+def test_a_critic_model_values_each_text_as_it_would_alone(qwen_bpe):
+    """Left-padded texts in one batch get the values they get alone: position ids follow the mask. A backbone with
+    learned absolute positions (GPT-2) shows it; rotary ones (Qwen2, Llama) ignore a constant shift."""
+    from transformers import AutoTokenizer, GPT2Config, GPT2Model
+
+    torch.manual_seed(0)
+    backbone = GPT2Model(GPT2Config(vocab_size=1024, n_positions=64, n_embd=16, n_layer=1, n_head=2))
+    critic = CriticModel(backbone, AutoTokenizer.from_pretrained(qwen_bpe), ValueHead(16, outputs=2))
+    torch.nn.init.normal_(critic.head.linear.weight)
+    texts = ["alice and", "alice and bob meet at the station at noon"]
+    with torch.no_grad():
+        ids, mask = critic.encode(texts)
+        assert (mask[0] == 0).any()  # the short text is padded on the left
+        batched = critic(ids, mask)
+        alone = torch.cat([critic(*critic.encode([t])) for t in texts])
+    torch.testing.assert_close(batched, alone, atol=1e-5, rtol=1e-4)
+    assert batched.shape == (2, 2) and batched.dtype == torch.float32
+
+
+def test_a_critic_model_is_fp32_and_without_dropout_whatever_its_checkpoint_says(qwen_bpe, tmp_path):
+    """A checkpoint saved in bf16 with attention dropout: the critic loads in fp32 and scores a text the same in
+    train mode every time (the values it learns from must be the ones it is scored on)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    model = AutoModelForCausalLM.from_pretrained(qwen_bpe, dtype=torch.bfloat16, attention_dropout=0.5)
+    model.save_pretrained(tmp_path / "bf16")
+    AutoTokenizer.from_pretrained(qwen_bpe).save_pretrained(tmp_path / "bf16")
+    critic = CriticModel.from_pretrained(tmp_path / "bf16")
+    assert {p.dtype for p in critic.parameters()} == {torch.float32}
+    torch.manual_seed(0)
+    torch.nn.init.normal_(critic.head.linear.weight)
+    critic.train()
+    inputs = critic.encode(["alice and bob meet at the station at noon"])
+    with torch.no_grad():
+        assert torch.equal(critic(*inputs), critic(*inputs))
 
 
 def test_value_loss_clipping_by_hand():

@@ -451,6 +451,26 @@ def test_evaluate_and_save_model(qwen_bpe, tmp_path):
     assert sorted(p.name for p in (run / "agents").iterdir()) == ["agent_0", "one_more"]
 
 
+def test_logging_steps_and_the_last_step_decide_what_is_written(qwen_bpe, tmp_path):
+    """logging_steps=2 over 3 steps: rows at steps 2 and 3 (the last step always), log_completions=1 joint action
+    each; eval_at_end without an eval_dataset evaluates nothing (and does not fail)."""
+    trainer = MAGRPOTrainer(
+        model=qwen_bpe,
+        num_agents=1,
+        train_dataset=DATA,
+        reward_func=lambda c: [len(x) for x in c],
+        args=small_args(
+            max_steps=3, logging_steps=2, log_completions=1, eval_at_end=True, output_dir=str(tmp_path)
+        ),
+    )
+    last = trainer.train()
+    rows = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert [row["step"] for row in rows] == [2, 3]
+    samples = [json.loads(line) for line in (tmp_path / "samples.jsonl").read_text().splitlines()]
+    assert [sample["step"] for sample in samples] == [2, 3]
+    assert "agent_0/loss" in last and not any(key.startswith("eval/") for key in last)
+
+
 def test_seeded_runs_are_reproducible(qwen_bpe):
     def run():
         t = MAGRPOTrainer(
@@ -464,6 +484,40 @@ def test_seeded_runs_are_reproducible(qwen_bpe):
         return [p.detach().clone() for p in t.team[1].model.parameters()]
 
     assert all(torch.equal(a, b) for a, b in zip(run(), run()))
+
+
+def test_copies_of_one_model_sample_from_streams_of_their_own(qwen_bpe):
+    """A training_step called without seeds draws from each agent's own stream, seeded by its index: two copies of
+    one model answer the same prompts differently."""
+    trainer = MAGRPOTrainer(
+        model=qwen_bpe, num_agents=2, train_dataset=DATA, reward_func=length_reward, args=small_args()
+    )
+    rollout = trainer._collect(DATA[:2])
+    assert rollout.generations[0].completions != rollout.generations[1].completions
+
+
+def test_each_epoch_takes_every_item_once_in_its_own_order(qwen_bpe):
+    """prompts_per_step consecutive items of each epoch's order per step (drop last); shuffle=True draws a new
+    seeded permutation every epoch, the same in every run; a resumed run takes the steps it has not taken."""
+
+    def trainer(**settings):
+        return MAGRPOTrainer(
+            model=qwen_bpe,
+            num_agents=1,
+            train_dataset=DATA * 2,
+            reward_func=lambda c: [0.0] * len(c),
+            args=small_args(max_steps=8, **settings),
+        )
+
+    assert list(trainer(shuffle=False)._batch_indices()) == [[0, 1], [2, 3], [4, 5], [6, 7]] * 2
+    shuffled = trainer(seed=5)
+    steps = list(shuffled._batch_indices())
+    epochs = [sum(steps[:4], []), sum(steps[4:], [])]
+    assert sorted(epochs[0]) == sorted(epochs[1]) == list(range(8))
+    assert epochs[0] != epochs[1]  # reshuffled, not the first epoch's order again
+    assert list(trainer(seed=5)._batch_indices()) == steps
+    shuffled.step = 3
+    assert list(shuffled._batch_indices()) == steps[3:]
 
 
 def test_token_budget_micro_batches_give_the_full_batch_update(qwen_bpe):
@@ -485,6 +539,75 @@ def test_token_budget_micro_batches_give_the_full_batch_update(qwen_bpe):
         assert split[f"agent_{i}/grad_norm"] == pytest.approx(full[f"agent_{i}/grad_norm"], rel=1e-5)
     # Adam divides by sqrt(v): float-order differences in tiny gradients move a weight by < 1e-5 (lr 1e-3).
     assert all(torch.allclose(a, b, atol=5e-5) for a, b in zip(one_pass, per_row))
+
+
+def test_update_metrics_are_the_whole_batchs_over_token_budget_micro_batches(qwen_bpe):
+    """micro_batch_tokens = one row's prompt + completion tokens: one row per forward (the budget counts the prompt
+    too). The metrics are the batch's: dapo's loss at ratio 1 is -(2 x 3 - 1 x 4) / 7 summed over both micro-batches,
+    advantage_abs the mean |A|, completion_length 7 / 2 tokens, one of two rows cut; num_iterations=1 scores no
+    separate behaviour log-probs."""
+    import dataclasses
+
+    agent = Agent.from_pretrained(qwen_bpe)
+    eos, pad = agent.eos_token_ids[0], agent.tokenizer.pad_token_id
+    gen = HFEngine().generate(agent, ["alice and bob meet at noon"], 2, SamplingParams(max_new_tokens=4))
+    ids = torch.tensor([[17, 23, eos, pad], [17, 29, 31, 40]])  # ended after 3 tokens; cut at max_new_tokens
+    gen = dataclasses.replace(
+        gen, completion_ids=ids, completion_mask=torch.tensor([[1, 1, 1, 0], [1, 1, 1, 1]])
+    )
+    P = gen.prompt_ids.shape[1]
+    assert P >= 4  # a budget of completion tokens alone would fit both rows in one forward
+    trainer = MAGRPOTrainer(
+        model=qwen_bpe,
+        num_agents=1,
+        train_dataset=DATA,
+        reward_func=length_reward,
+        args=small_args(max_new_tokens=4, micro_batch_tokens=P + 4),
+    )
+    rows, logprobs = [], trainer.team[0].completion_logprobs
+
+    def counted(prompt_ids, *args, **kw):
+        rows.append(len(prompt_ids))
+        return logprobs(prompt_ids, *args, **kw)
+
+    trainer.team[0].completion_logprobs = counted
+    metrics = trainer.update_agent(0, gen, torch.tensor([2.0, -1.0]))
+    assert rows == [1, 1]
+    assert metrics["loss"] == pytest.approx(-2 / 7, abs=1e-6)
+    assert (metrics["advantage_abs"], metrics["completion_length"], metrics["truncated_fraction"]) == (
+        1.5,
+        3.5,
+        0.5,
+    )
+
+
+def test_step_times_split_generation_environment_and_update(qwen_bpe, monkeypatch):
+    """Clock readings 100, 110, 130 around a step whose generate calls took 4 s: generate 4, environment 10 - 4,
+    update 20, step 30, and 12 completions (2 agents x 2 items x 3) in 30 s."""
+    import dataclasses
+    from types import SimpleNamespace
+
+    from comarl.trainers import magrpo
+
+    trainer = MAGRPOTrainer(
+        model=qwen_bpe, num_agents=2, train_dataset=DATA, reward_func=length_reward, args=small_args()
+    )
+    collect = trainer._collect
+    trainer._collect = lambda items, seeds=None: dataclasses.replace(
+        collect(items, seeds), generate_seconds=4.0
+    )
+    monkeypatch.setattr(magrpo, "time", SimpleNamespace(perf_counter=iter([100.0, 110.0, 130.0]).__next__))
+    metrics, _ = trainer.training_step(DATA[:2])
+    times = ("time/generate", "time/environment", "time/update", "time/step", "completions_per_s")
+    assert {key: metrics[key] for key in times} == pytest.approx(
+        {
+            "time/generate": 4.0,
+            "time/environment": 6.0,
+            "time/update": 20.0,
+            "time/step": 30.0,
+            "completions_per_s": 0.4,
+        }
+    )
 
 
 def test_lr_schedule_warmup_then_cosine(qwen_bpe):
@@ -646,6 +769,67 @@ def test_team_errors(qwen_bpe):
         MAGRPOTrainer(agents=[qwen_bpe, model], train_dataset=DATA, reward_func=length_reward)
 
 
+def test_the_task_is_given_once_and_whole_before_any_model_loads():
+    from comarl.envs import FunctionEnv
+
+    def transition(item, completions, history):
+        return ["again"] * 2
+
+    team = dict(model="/nonexistent/model", num_agents=2)
+    with pytest.raises(
+        ConfigError,
+        match=r"^MAGRPOTrainer: train_dataset is required \(a datasets.Dataset or a list of dicts\)$",
+    ):
+        MAGRPOTrainer(**team, reward_func=length_reward)
+    with pytest.raises(ConfigError, match=r"^MARLOOTrainer: give reward_func= \(with formatters=\) or env=$"):
+        MARLOOTrainer(**team, train_dataset=DATA)
+    with pytest.raises(
+        ConfigError, match=r"^give transition= or external_transition= \(CoMLRL's\), not both$"
+    ):
+        MAGRPOTrainer(
+            **team,
+            train_dataset=DATA,
+            reward_func=length_reward,
+            transition=transition,
+            external_transition=transition,
+        )
+    env = FunctionEnv(length_reward, None, 2)
+    with pytest.raises(
+        ConfigError, match=r"^give either env= or reward_func=/formatters=/transition=, not both$"
+    ):
+        MAGRPOTrainer(**team, train_dataset=DATA, env=env, reward_func=length_reward)
+    with pytest.raises(ConfigError, match=r"^env.num_agents=2 but the team has 3 agents$"):
+        MAGRPOTrainer(model="/nonexistent/model", num_agents=3, train_dataset=DATA, env=env)
+
+
+def test_team_size_and_devices_are_checked_by_name(qwen_bpe):
+    common = dict(train_dataset=DATA, reward_func=length_reward)
+    with pytest.raises(
+        ConfigError,
+        match=r"^no team: give model= \(with num_agents=\), agents=\[...\] or team=Team\(\[...\]\)$",
+    ):
+        MAGRPOTrainer(**common)
+    with pytest.raises(ConfigError, match=r"^num_agents=0: must be >= 1$"):
+        MAGRPOTrainer(model="/nonexistent/model", num_agents=0, **common)
+    with pytest.raises(
+        ConfigError, match=r"^agent_devices has 3 entries for 2 agents: give one per agent or one for all$"
+    ):
+        MAGRPOTrainer(
+            model="/nonexistent/model", num_agents=2, args=MAGRPOConfig(agent_devices=["cpu"] * 3), **common
+        )
+    with pytest.raises(
+        ConfigError,
+        match=r"^share_weights=True: the shared weights live on one device; agent_devices=\['cpu', 'cpu:0'\]$",
+    ):
+        MAGRPOTrainer(
+            model=qwen_bpe,
+            num_agents=2,
+            args=small_args(share_weights=True, agent_devices=["cpu", "cpu:0"]),
+            **common,
+        )
+    assert MAGRPOTrainer(model=qwen_bpe, args=small_args(), **common).num_agents == 2  # README: default 2
+
+
 def test_a_streaming_dataset_is_refused_naming_the_fix(qwen_bpe):
     from datasets import Dataset
 
@@ -700,6 +884,29 @@ def test_evaluate_overrides_dataset_samples_and_sampling(qwen_bpe):
         trainer.evaluate(DATA, num_generations=0)
     with pytest.raises(ConfigError, match=r"^evaluate\(dataset\): the dataset is empty$"):
         trainer.evaluate([])
+
+
+def test_evaluate_plays_eval_num_samples_items_and_samples_as_the_caller_says(qwen_bpe):
+    trainer = MAGRPOTrainer(
+        model=qwen_bpe,
+        num_agents=2,
+        train_dataset=DATA,
+        reward_func=length_reward,
+        args=small_args(eval_num_samples=2, eval_do_sample=True),
+    )
+    played, sampled = [], []
+    trainer.env.rewards[0].func = lambda a, b: played.append(len(a)) or [0.0] * len(a)
+    generate = trainer.engine.generate
+
+    def recording(agent, prompts, num_generations, params, seeds=None):
+        sampled.append((len(prompts), params.do_sample))
+        return generate(agent, prompts, num_generations, params, seeds)
+
+    trainer.engine.generate = recording
+    trainer.evaluate(DATA)  # the first 2 of 4 items, sampled (eval_do_sample)
+    trainer.evaluate(DATA[:1], do_sample=False)  # fewer items than eval_num_samples: all; greedy, as asked
+    assert played == [2, 1]
+    assert sampled == [(2, True), (2, True), (1, False), (1, False)]
 
 
 def test_sampled_evaluation_depends_on_the_seed_and_items_alone(qwen_bpe):
@@ -804,6 +1011,34 @@ def test_success_rate_counts_unflagged_ended_episodes_in_every_batch(qwen_bpe):
     assert not any(
         k.startswith("eval/success") for k in no_flags.evaluate(items)
     )  # a task without the notion
+
+
+def test_rollout_metrics_reward_and_its_spread_by_hand():
+    """One agent, single turn, no success flag: the mean reward and its (unbiased) spread, 0 for a single sample;
+    nothing else (no nodes_per_item without a second turn)."""
+    from comarl.rollout import Rollout
+    from comarl.trainers.magrpo import rollout_metrics
+
+    def rollout(rewards):
+        r = torch.tensor(rewards).unsqueeze(-1)  # [items, K, 1]
+        B, K = r.shape[:2]
+        return Rollout(
+            generations=[],
+            joint_index=torch.zeros(B, K, 1, dtype=torch.long),
+            rewards=r,
+            returns=[r[..., 0]],
+            node_returns=r,
+            depth=torch.zeros(B, dtype=torch.long),
+            terminal=torch.ones(B, K, dtype=torch.bool),
+            child=torch.full((B, K), -1),
+            done=torch.ones(B, K, dtype=torch.bool),
+            success=None,
+        )
+
+    # mean 7/6; squared deviations 3 x 1/36 + 49/36 + 2 x 25/36 = 17/6, over 5
+    metrics = rollout_metrics(rollout([[1.0, 1.0, 1.0], [0.0, 2.0, 2.0]]))
+    assert metrics == pytest.approx({"reward": 7 / 6, "reward_std": (17 / 30) ** 0.5})
+    assert rollout_metrics(rollout([[3.0]])) == {"reward": 3.0, "reward_std": 0.0}
 
 
 def test_an_agents_own_formatter_makes_its_prompt(qwen_bpe):
@@ -1025,6 +1260,9 @@ def test_a_model_object_is_agent_0_and_the_others_train_copies(qwen_bpe):
     models = [agent.model for agent in trainer.team]
     assert models[0] is model and models[1] is not model and models[2] is not models[1]
     assert all(torch.equal(p, q) for p, q in zip(models[0].parameters(), models[2].parameters()))
+    tokenizers = [agent.tokenizer for agent in trainer.team]  # one tokenizer= object: each agent its own copy
+    tokenizers[1].chat_template = "{{ messages }}"
+    assert tokenizers[0].chat_template != "{{ messages }}" and tokenizers[2].chat_template != "{{ messages }}"
 
 
 def test_automatic_placement_keeps_a_shared_model_on_one_gpu(monkeypatch):
@@ -1072,3 +1310,16 @@ def test_logged_samples_show_the_task_rewards_under_a_kl_reward_penalty(qwen_bpe
     metrics, samples = trainer.training_step(DATA[:2])
     assert metrics["reward"] == 1.0 and metrics["agent_0/kl_penalty"] != 0.0
     assert [s["rewards"] for s in samples] == [[1.0, 1.0], [1.0, 1.0]]
+
+
+def test_logged_samples_show_each_items_own_joint_action(qwen_bpe):
+    """Sample b is item b's first joint action: its prompts, the completions that joint action joined and the reward
+    they got (length_reward of those two completions, every agent's)."""
+    trainer = MAGRPOTrainer(
+        model=qwen_bpe, num_agents=2, train_dataset=DATA, reward_func=length_reward, args=small_args()
+    )
+    _, samples = trainer.training_step(DATA[:2])
+    assert [sample["prompts"] for sample in samples] == [[DATA[0]["prompt"]] * 2, [DATA[1]["prompt"]] * 2]
+    for sample in samples:
+        (reward,) = length_reward(*[[c] for c in sample["completions"]])
+        assert sample["rewards"] == pytest.approx([reward, reward])
