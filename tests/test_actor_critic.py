@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
+import re
 
 import pytest
 import torch
@@ -640,6 +642,193 @@ def test_critics_and_value_heads_save_and_load(team, tmp_path):
             maac.critics[0](*maac.critics[0].encode(texts)),
             resumed.critics[0](*resumed.critics[0].encode(texts)),
         )
+
+
+def test_critic_arguments_refused_by_name_and_args_by_keyword_after_seven_positional(team):
+    """critics= of model objects, a critic_model= that is no hub id or path, and a critic_model= other than the
+    config's are refused with the fix; seven arguments by position leave args= to its keyword."""
+    common = dict(
+        agents=team,
+        train_dataset=demo.dataset(),
+        reward_func=demo.meeting_reward,
+        formatters=[demo.formatter(0), demo.formatter(1)],
+    )
+    config = IACConfig(max_steps=1, num_generations=2, max_new_tokens=2, progress_bar=False)
+    with pytest.raises(
+        ConfigError,
+        match=r"^IACTrainer\(critics=\): comarl gives every agent a copy of one critic model; pass "
+        r"critic_model='<hub id or path>' instead$",
+    ):
+        IACTrainer(**common, args=config, critics=[object(), object()])
+    with pytest.raises(
+        ConfigError, match=r"^IACTrainer\(critic_model=\): give a hub id or path, not a dict$"
+    ):
+        IACTrainer(**common, args=config, critic_model={"path": team[0]})
+    with pytest.raises(
+        ConfigError,
+        match=rf"^IACTrainer\(critic_model='{re.escape(team[0])}'\) but args.critic_model='{re.escape(team[1])}'; "
+        "give it once$",
+    ):
+        IACTrainer(**common, args=dataclasses.replace(config, critic_model=team[1]), critic_model=team[0])
+    # MAGRPOTrainer's first seven parameters by position, args= by keyword
+    trainer = IACTrainer(
+        None,
+        None,
+        None,
+        demo.dataset(),
+        None,
+        demo.meeting_reward,
+        [demo.formatter(0), demo.formatter(1)],
+        args=config,
+        agents=team,
+        critic_model=team[1],
+    )
+    assert (
+        trainer.args.critic_model == team[1]
+        and trainer.args.max_new_tokens == 2
+        and len(trainer.critics) == 2
+    )
+
+
+def test_a_centralized_critic_needs_critic_model_when_agent_0_is_an_object(team):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from comarl import Agent
+
+    agents = [Agent(AutoModelForCausalLM.from_pretrained(p), AutoTokenizer.from_pretrained(p)) for p in team]
+    assert agents[0].source is None
+    with pytest.raises(
+        ConfigError,
+        match=r"^centralized_critic: set critic_model= \(agent 0 was given as an object, not a path\)$",
+    ):
+        _trainer(MAACTrainer, MAACConfig, agents)
+
+
+def test_a_centralized_critic_loads_from_critic_model(team, tmp_path):
+    """critic_model= names the centralized critic's folder (a saved critic/): its head comes back, not agent 0's
+    model with a new zero head."""
+    from comarl.critics import CriticModel
+
+    saved = CriticModel.from_pretrained(team[1], outputs=2)
+    with torch.no_grad():
+        saved.head.linear.bias.copy_(torch.tensor([1.0, 2.0]))
+    saved.save(tmp_path / "critic")
+    trainer = _trainer(MAACTrainer, MAACConfig, team, critic_model=str(tmp_path / "critic"))
+    assert trainer.critics[0].head.linear.bias.tolist() == [1.0, 2.0]
+
+
+def test_separate_critics_are_logged_saved_and_planned_one_per_agent(team, tmp_path):
+    """IAC with critic models: critic_c/ metrics and folders for each, AdamW with the config's betas, one memory
+    entry per critic; no actor value_loss (no value head) or kl (no KL term); the step's times add up."""
+    trainer = _trainer(
+        IACTrainer,
+        IACConfig,
+        team,
+        reward=answer_length,
+        critic_model=team[0],
+        adam_beta1=0.8,
+        adam_beta2=0.95,
+    )
+    assert [opt.param_groups[0]["betas"] for opt in trainer.critic_optimizers] == [(0.8, 0.95)] * 2
+    plan = trainer._memory_plan(team, ["cpu", "cpu"])
+    assert [m.name for m in plan] == ["agent 0", "agent 1", "critic 0", "critic 1"]
+    metrics = trainer.train()
+    assert {k for k in metrics if k.startswith("critic")} == {
+        f"critic_{c}/{k}"
+        for c in range(2)
+        for k in ("value_loss", "grad_norm", "explained_variance", "value_mean")
+    }
+    assert "agent_0/loss" in metrics
+    assert not [k for k in metrics if k.startswith("agent_") and k.endswith(("/value_loss", "/kl"))]
+    assert metrics["time/step"] == pytest.approx(
+        metrics["time/generate"] + metrics["time/environment"] + metrics["time/update"]
+    )
+    # 2 agents x 2 prompts x 4 samples
+    assert metrics["completions_per_s"] * metrics["time/step"] == pytest.approx(16.0)
+    trainer.save_model(tmp_path)
+    assert not (tmp_path / "critic").exists()
+    for c, critic in enumerate(trainer.critics):
+        saved = ValueHead.load_or_new(tmp_path / f"critic_{c}", critic.head.linear.in_features, 1)
+        assert bool(saved.linear.weight.abs().sum() > 0) and torch.equal(
+            saved.linear.weight, critic.head.linear.weight
+        )
+
+
+def test_actor_metrics_are_the_agents_rate_and_the_advantages_and_values_given(team):
+    """A value head learns at critic_learning_rate (0.5 here) in the agent's optimizer; lr is the agent's own, as
+    its linear decay over 2 steps x 2 mini-batches has it at the update's last mini-batch: 1e-3 * (1 - 1/4), and
+    the schedule moves on after each. advantage_abs = mean |[2, -1]| = 1.5, value_mean = mean [0.5, 1.5] = 1.0."""
+    trainer = _trainer(
+        IACTrainer,
+        IACConfig,
+        team,
+        critic_learning_rate=0.5,
+        max_steps=2,
+        num_mini_batches=2,
+        lr_scheduler_type="linear",
+    )
+    gen = trainer.engine.generate(trainer.team[0], ["alice and bob"], 2, trainer._sampling()[0])
+    metrics = trainer.update_actor(
+        0, gen, torch.tensor([2.0, -1.0]), torch.zeros(2), torch.tensor([0.5, 1.5])
+    )
+    assert metrics["lr"] == pytest.approx(0.75e-3)
+    assert [g["lr"] for g in trainer.optimizers[0].param_groups] == pytest.approx([0.5e-3, 0.25])
+    assert metrics["advantage_abs"] == 1.5 and metrics["value_mean"] == 1.0
+    assert "value_loss" in metrics and "kl" not in metrics
+
+
+def test_critic_metrics_by_hand(team):
+    """A fresh centralized critic values everything 0 (a zero head). Targets [[1, 2], [3, 4]], no clipping: value_loss
+    = (0.5 * (1 + 4) / 2 + 0.5 * (9 + 16) / 2) / 2 = 3.75; value_mean is the mean of the values it started from."""
+    trainer = _trainer(MAACTrainer, MAACConfig, team)
+    assert trainer.args.value_clip is None
+    critic = trainer.critics[0]
+    samples = critic.encode(["agent 0 sees: a\nagent 1 sees: b", "agent 0 sees: c\nagent 1 sees: d"])
+    stats = trainer.update_critic(
+        0, samples, torch.tensor([[1.0, 2.0], [3.0, 4.0]]), torch.tensor([[0.5, 0.5], [1.5, 1.5]])
+    )
+    assert stats["value_loss"] == pytest.approx(3.75, abs=1e-6)
+    assert stats["value_mean"] == 1.0
+
+
+def test_the_centralized_critic_learns_every_agents_return(team):
+    """MAAC's critic has one output per agent: its targets are every agent's return (one turn: the reward), each
+    node's mean over its joint actions."""
+    trainer = _trainer(MAACTrainer, MAACConfig, team, reward=answer_length)
+    seen = {}
+    collect, update_critic = trainer._collect, trainer.update_critic
+
+    def collecting(items, seeds=None):
+        seen["rollout"] = collect(items, seeds)
+        return seen["rollout"]
+
+    def spy(c, samples, targets, old_values):
+        seen["targets"] = targets
+        return update_critic(c, samples, targets, old_values)
+
+    trainer._collect, trainer.update_critic = collecting, spy
+    trainer.train()
+    rewards = seen["rollout"].rewards  # [nodes, K, N]
+    assert seen["targets"].shape == (2, 2)
+    torch.testing.assert_close(seen["targets"], rewards.mean(dim=1))
+
+
+def test_each_independent_critic_reads_its_own_agents_observation(team):
+    from comarl.envs import prompt_text
+
+    trainer = _trainer(IACTrainer, IACConfig, team, critic_model=team[0])
+    rollout = trainer._collect(demo.dataset()[:2])
+    texts = {}
+    for c, critic in enumerate(trainer.critics):
+
+        def encode(batch, c=c, encode=critic.encode):
+            texts[c] = list(batch)
+            return encode(batch)
+
+        critic.encode = encode
+    trainer._critic_values(rollout)
+    expected = {c: [prompt_text(state[1][c]) for state in rollout.states] for c in range(2)}
+    assert texts == expected and expected[0] != expected[1]
 
 
 # ----------------------------------------------------------------------------- learning (seeded)

@@ -4,6 +4,7 @@ loss, MARLHF's reward model, learning on the demo game, checkpoints and config e
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 import math
 import re
@@ -15,6 +16,7 @@ from comarl import ConfigError, MADPOConfig, MADPOTrainer, MARLHFConfig, MARLHFT
 from comarl.agents import Agent
 from comarl.algorithms import dpo_margins, preference_loss, preference_pairs, sequence_logprobs
 from comarl.critics import joint_observation
+from comarl.engines import Generation
 from comarl.tasks import demo
 from comarl.trainers.preference import RewardModelEnv, reward_scores
 
@@ -363,6 +365,143 @@ def test_madpo_resumes_with_its_candidates(qwen_bpe, tmp_path):
     assert metrics["loss"] == expected["loss"]
 
 
+def test_madpo_keeps_a_reference_copy_only_for_candidates_sampled_during_training(qwen_bpe):
+    """The initial team's candidates carry their reference log-probs: no frozen copy (a model's memory) is kept."""
+
+    def references(**kw):
+        return MADPOTrainer(
+            model=qwen_bpe, num_agents=2, train_dataset=DATA, reward_func=length_reward, args=madpo_args(**kw)
+        ).references
+
+    assert references() is None
+    assert references(candidates_from="current", dpo_reference="none") is None
+    kept = references(candidates_from="current")
+    assert kept is not None and len(kept) == 2
+
+
+def test_madpo_initial_candidates_without_a_reference_score_nothing(qwen_bpe):
+    """dpo_reference='none': the initial candidates are sampled and rewarded, never scored by the agents."""
+    trainer = MADPOTrainer(
+        model=qwen_bpe,
+        num_agents=2,
+        train_dataset=DATA,
+        reward_func=length_reward,
+        args=madpo_args(dpo_reference="none", max_new_tokens=2),
+    )
+
+    def scoring(*args, **kwargs):
+        raise AssertionError("the initial candidates were scored")
+
+    trainer._sequence_logprobs = scoring
+    cache, _ = trainer._initial_candidates()
+    assert len(cache) == len(DATA) and all(c["ref"] == {} for c in cache)
+
+
+def test_madpo_step_metrics_and_logged_pairs_by_hand(qwen_bpe):
+    """training_step's bookkeeping over given candidates (the initial team's cache replaced), K = 3: team rewards
+    [[1, 0, .5], [0, 3, 3]] pair item 0 as 0>1, 0>2, 2>1 and item 1 as 1>0, 2>0. candidates/reward = 7.5 / 3 / 2 =
+    1.25; 5 pairs; mean reward gap (1 + .5 + .5 + 3 + 3) / 5 = 1.6. The samples are the first pair of each of the
+    first log_completions items. Equal rewards give no pair: no update, a gap of 0."""
+    trainer = MADPOTrainer(
+        model=qwen_bpe,
+        num_agents=2,
+        train_dataset=DATA,
+        reward_func=length_reward,
+        args=madpo_args(num_generations=3),
+    )
+    generations = [
+        Generation(None, None, None, None, [], [f"agent {i} answer {r}" for r in range(6)]) for i in range(2)
+    ]
+    rewards = torch.tensor([[1.0, 0.0, 0.5], [0.0, 3.0, 3.0]])
+    trainer.candidates, trainer._step_indices = [], [0, 1]  # as train() leaves them
+    trainer._cached = lambda indices: (generations, rewards, None)
+    updates = []
+
+    def update_team(generations, pairs, K, ref, total):
+        updates.append((pairs.tolist(), K, total))
+        return {"loss": 0.25}
+
+    trainer.update_team = update_team
+    metrics, samples = trainer.training_step(DATA[:2])
+    assert updates == [([[0, 0, 1], [0, 0, 2], [0, 2, 1], [1, 1, 0], [1, 2, 0]], 3, 5)]
+    assert metrics["candidates/reward"] == 1.25 and metrics["pairs"] == 5.0 and metrics["loss"] == 0.25
+    assert metrics["pairs/reward_gap"] == pytest.approx(1.6)
+    assert samples == [
+        {
+            "chosen": ["agent 0 answer 0", "agent 1 answer 0"],
+            "rejected": ["agent 0 answer 1", "agent 1 answer 1"],
+            "rewards": [1.0, 0.0],
+        },
+        {
+            "chosen": ["agent 0 answer 4", "agent 1 answer 4"],
+            "rejected": ["agent 0 answer 3", "agent 1 answer 3"],
+            "rewards": [3.0, 0.0],
+        },
+    ]
+    trainer.args = dataclasses.replace(trainer.args, log_completions=1)
+    assert trainer.training_step(DATA[:2])[1] == samples[:1]
+
+    updates.clear()
+    rewards = torch.full((2, 3), 2.0)
+    metrics, samples = trainer.training_step(DATA[:2])
+    assert updates == [] and samples == [] and "loss" not in metrics
+    assert (metrics["pairs"], metrics["pairs/reward_gap"], metrics["candidates/reward"]) == (0.0, 0.0, 2.0)
+
+
+def test_madpo_metrics_of_tied_margins_and_rejected_rewards_by_hand(qwen_bpe, llama_word):
+    """The log-probs of test_madpo_row_weights_by_hand; pairs (0, 1), (0, 2), (2, 1) of one prompt. Agent 0's
+    log-ratios [1, -1, 0] give its rejected rows 1, 2, 1 the implicit reward 0.5 * mean(-1, 0, -1) = -1/3, agent 1's
+    [0, 1, -1] give 0.5 * mean(1, -1, 1) = 1/6. With the policy as its own reference every margin is 0: a tie ranks
+    no pair right (accuracy 0, not 1) and the loss is log 2."""
+    trainer = MADPOTrainer(
+        agents=[qwen_bpe, llama_word],
+        train_dataset=DATA,
+        reward_func=length_reward,
+        args=madpo_args(candidates_from="current", dpo_beta=0.5),
+    )
+    policy = [torch.tensor([-1.0, -3.0, -2.0]), torch.tensor([-4.0, -4.0, -5.0])]
+    reference = [torch.tensor([-2.0, -2.0, -2.0]), torch.tensor([-4.0, -5.0, -4.0])]
+
+    def sequence_logprobs(i, gen, rows, model=None):
+        return (policy if model is None else reference)[i][rows]
+
+    trainer._sequence_logprobs = sequence_logprobs
+    trainer._dpo_step = lambda i, gen, rows, weight: {}
+    pairs = torch.tensor([[0, 0, 1], [0, 0, 2], [0, 2, 1]])
+    metrics = trainer.update_team([None, None], pairs, 3, None)
+    assert metrics["agent_0/rejected_reward"] == pytest.approx(-1 / 3)
+    assert metrics["agent_1/rejected_reward"] == pytest.approx(1 / 6)
+    tied = trainer.update_team([None, None], pairs, 3, policy)
+    assert tied["accuracy"] == tied["agent_0/accuracy"] == tied["agent_1/accuracy"] == 0.0
+    assert tied["margin"] == 0.0 and tied["loss"] == pytest.approx(math.log(2))
+
+
+def test_dataset_chunks_and_pair_streams():
+    """The whole training set in calls of prompts_per_step items; under data parallelism (2 shards here) every
+    other item, prompts_per_step / 2 per call, and with shard_weights a set that gives the shards different numbers
+    of calls is refused. Pairs of a step without seeds come from the trainer's own stream."""
+    from types import SimpleNamespace
+
+    from comarl.trainers.preference import dataset_chunks, pair_streams
+
+    def shard(rank):
+        return SimpleNamespace(rank=rank, world_size=2, stride=lambda items: list(items[rank::2]))
+
+    assert dataset_chunks(5, 2, None) == [[0, 1], [2, 3], [4]]
+    assert dataset_chunks(5, 4, shard(0)) == [[0, 2], [4]] and dataset_chunks(5, 4, shard(1)) == [[1, 3]]
+    assert dataset_chunks(8, 4, shard(1), sharded=True) == [[1, 3], [5, 7]]
+    with pytest.raises(
+        ConfigError,
+        match=r"^shard_weights=True: the 5 training items give the data shards different numbers of generate calls "
+        r"\(2 items each\) when the team answers the whole set; use a training set of a multiple of "
+        r"prompts_per_step=4 items$",
+    ):
+        dataset_chunks(5, 4, shard(0), sharded=True)
+    shared = torch.Generator()
+    assert pair_streams(None, shared) is shared
+    assert len(pair_streams([1, 2, 3], shared)) == 3
+
+
 @pytest.fixture(scope="module")
 def demo_team(tmp_path_factory):
     return [str(p) for p in demo.build_team(tmp_path_factory.mktemp("pref") / "models")]
@@ -547,6 +686,94 @@ def test_marlhf_saves_a_reward_model_that_reloads(qwen_bpe, tmp_path):
             MARLHFConfig(**settings, reward_model=unfitted, fit_reward_model=False)
 
 
+def test_reward_scores_of_no_texts_are_empty(qwen_bpe):
+    """Under data parallelism a process's share of the pairs may be empty: no forward, an empty tensor."""
+    from comarl.critics import CriticModel
+
+    assert reward_scores(CriticModel.from_pretrained(qwen_bpe), []).shape == (0,)
+
+
+def test_marlhf_needs_reward_model_when_agent_0_is_an_object(qwen_bpe):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    agents = [
+        Agent(AutoModelForCausalLM.from_pretrained(qwen_bpe), AutoTokenizer.from_pretrained(qwen_bpe))
+        for _ in range(2)
+    ]
+    assert agents[0].source is None
+    with pytest.raises(
+        ConfigError, match=r"^MARLHF: set reward_model= \(a hub id or path\); agent 0 was given as an object$"
+    ):
+        MARLHFTrainer(
+            agents=agents,
+            train_dataset=DATA,
+            reward_func=length_reward,
+            args=MARLHFConfig(prompts_per_step=2, num_generations=2, max_new_tokens=4, progress_bar=False),
+        )
+
+
+def test_marlhf_plans_a_reward_model_it_does_not_fit_as_frozen(qwen_bpe, tmp_path):
+    """A fitted reward model used as it is (fit_reward_model=False, no refits) holds its fp32 weights only (4 bytes
+    per parameter); one that is fit also its gradients and AdamW state (16)."""
+    from comarl.critics import CriticModel
+    from comarl.memory import model_size
+
+    fitted = tmp_path / "reward_model"
+    CriticModel.from_pretrained(qwen_bpe).save(fitted)
+    size = model_size(str(fitted), lm_head=False)
+
+    def planned(**kw):
+        trainer = _small_marlhf(qwen_bpe, reward_model=str(fitted), **kw)
+        return {m.name: m for m in trainer._memory_plan([qwen_bpe] * 2, ["cpu"] * 2)}["reward model"].total
+
+    assert planned(fit_reward_model=False) == 4 * size.parameters
+    assert planned(fit_reward_model=False, reward_refit_steps=2) == 16 * size.parameters
+
+
+def test_marlhf_refits_every_k_steps_after_the_first(qwen_bpe, monkeypatch):
+    """reward_refit_steps=2: refits at steps 3, 5, ...; the first fit is at step 1 only when the model is unfitted."""
+    from comarl.trainers.magrpo import MAGRPOTrainer
+
+    monkeypatch.setattr(MAGRPOTrainer, "training_step", lambda self, items, seeds=None: ({}, []))
+    trainer = _small_marlhf(qwen_bpe, reward_refit_steps=2)
+    fits = []
+
+    def fit():
+        fits.append(trainer.step)
+        trainer.reward_model_fitted = True
+        return {"reward_model/loss": 0.5}
+
+    trainer.fit_reward_model = fit
+    for step in range(1, 6):
+        trainer.step = step
+        metrics, _ = trainer.training_step(DATA[:2])
+        assert ("reward_model/loss" in metrics) == (step in (1, 3, 5))
+    assert fits == [1, 3, 5]
+    fits.clear()
+    trainer.reward_model_fitted = True  # as fit_reward_model=False leaves it: nothing to fit at step 1
+    for step in range(1, 6):
+        trainer.step = step
+        trainer.training_step(DATA[:2])
+    assert fits == [3, 5]
+
+
+def test_marlhf_refuses_to_fit_on_no_pairs(qwen_bpe):
+    trainer = _small_marlhf(qwen_bpe, preference_num_candidates=3)
+    with pytest.raises(
+        ConfigError,
+        match=r"^MARLHF: 0 chosen and 0 rejected texts; the reward model needs pairs to learn from$",
+    ):
+        trainer.fit_reward_model(pairs=([], []))
+    trainer._preference_texts = lambda: ([], [])  # every candidate got the same task reward
+    with pytest.raises(
+        ConfigError,
+        match=r"^MARLHF: 0 chosen and 0 rejected texts; the reward model needs pairs to learn from \(every candidate "
+        r"of every training prompt got the same task reward: raise preference_num_candidates, now 3, or the "
+        r"sampling temperature\)$",
+    ):
+        trainer.fit_reward_model()
+
+
 @pytest.mark.slow
 def test_marlhf_raises_the_task_reward_through_the_learned_reward(demo_team, tmp_path):
     """The reward model learns the initial team's preferences (accuracy >= 0.8 on its pairs) and MAGRPO on its
@@ -656,6 +883,19 @@ def test_marlhf_resumes_with_its_reward_model(qwen_bpe, tmp_path):
     for x, y in zip(unbroken.reward_model.parameters(), resumed.reward_model.parameters()):
         assert torch.equal(x, y)
     assert metrics["reward"] == expected["reward"]
+
+
+def test_marlhf_checkpoint_carries_whether_the_reward_model_is_fitted(qwen_bpe):
+    """A run resumed after its reward model was fit goes on with that model, instead of fitting it again at the
+    next step (with reward_refit_steps=0 it would be refit on the current team's answers)."""
+    fitted = _small_marlhf(qwen_bpe)
+    fitted.reward_model_fitted = True
+    with torch.no_grad():
+        fitted.reward_model.head.linear.bias.fill_(1.5)
+    resumed = _small_marlhf(qwen_bpe)
+    assert not resumed.reward_model_fitted
+    resumed.load_checkpoint_state(fitted.checkpoint_state())
+    assert resumed.reward_model_fitted and resumed.reward_model.head.linear.bias.tolist() == [1.5]
 
 
 @pytest.mark.parametrize("trainer", ["madpo", "marlhf"])
