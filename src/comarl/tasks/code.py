@@ -744,30 +744,35 @@ def _syntax_error(code: str) -> SyntaxError | None:
     return None
 
 
-def _top_level_functions(code: str) -> set[str]:
+def _parsed(code: str) -> ast.Module | None:
+    """The syntax tree of model-written ``code``, or None when it does not parse (null bytes, absurd nesting too)."""
     try:
-        tree = ast.parse(code)
+        return ast.parse(code)
     except (SyntaxError, ValueError, RecursionError, MemoryError):
+        return None
+
+
+def _top_level_functions(code: str) -> set[str]:
+    tree = _parsed(code)
+    if tree is None:
         return set()
     return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef))}
 
 
 def _only_imports(code: str) -> bool:
     """Whether ``code`` parses and all its (at least one) top-level statements are imports."""
-    try:
-        tree = ast.parse(code)
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return False
-    return bool(tree.body) and all(isinstance(n, (ast.Import, ast.ImportFrom)) for n in tree.body)
+    tree = _parsed(code)
+    return (
+        tree is not None
+        and bool(tree.body)
+        and all(isinstance(n, (ast.Import, ast.ImportFrom)) for n in tree.body)
+    )
 
 
 def _calls(code: str, name: str) -> bool:
     """Whether ``code`` calls ``name(...)`` anywhere."""
-    try:
-        tree = ast.parse(code)
-    except (SyntaxError, ValueError, RecursionError, MemoryError):
-        return False
-    return any(
+    tree = _parsed(code)
+    return tree is not None and any(
         isinstance(n, ast.Call) and isinstance(n.func, ast.Name) and n.func.id == name for n in ast.walk(tree)
     )
 
