@@ -4,8 +4,8 @@ For one epoch's prompts (in steps of 1 or 8 prompts, G = 4 samples each, 32 new 
 
 - generation: ``model.generate`` as comarl called it before (one GenerationConfig per call, every
   prompt repeated G times), comarl's own decode loop on the repeated prompts, the decode loop with
-  the prompt run once per group (drawing with torch.multinomial), and with the inverse-CDF draw
-  (the engine now);
+  the prompt run once per group (drawing with torch.multinomial), with the inverse-CDF draw, and with
+  comarl's own decode step (``LlamaDecoder``) instead of the model's forward (the engine now);
 - the training forward + backward of the log-probs: one forward over prompt+completion per row,
   and the shared-prompt forward (the prompt once per group; the agent now).
 
@@ -81,10 +81,13 @@ def main() -> None:
 
     def own_loop_repeated(ids: torch.Tensor, mask: torch.Tensor) -> None:
         rows = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
-        sample_completions(model, *rows, 1, params, agent.eos_token_ids, pad)
+        sample_completions(model, *rows, 1, params, agent.eos_token_ids, pad, fast_decoding=False)
 
-    def own_loop_shared(ids: torch.Tensor, mask: torch.Tensor) -> None:
-        sample_completions(model, ids, mask, G, params, agent.eos_token_ids, pad)
+    def own_loop_shared(ids: torch.Tensor, mask: torch.Tensor, fast: bool = False) -> None:
+        sample_completions(model, ids, mask, G, params, agent.eos_token_ids, pad, fast_decoding=fast)
+
+    def own_loop_shared_llama_decoder(ids: torch.Tensor, mask: torch.Tensor) -> None:
+        own_loop_shared(ids, mask, fast=True)
 
     def multinomial_draw(
         logits: torch.Tensor,
@@ -133,7 +136,10 @@ def main() -> None:
             "generate: + prompt once per group (torch.multinomial)": torch.no_grad()(
                 own_loop_shared_multinomial
             ),
-            "generate: + inverse-CDF draw (the engine now)": torch.no_grad()(own_loop_shared),
+            "generate: + inverse-CDF draw": torch.no_grad()(own_loop_shared),
+            "generate: + LlamaDecoder instead of the model's forward (the engine now)": torch.no_grad()(
+                own_loop_shared_llama_decoder
+            ),
         }
         variants: dict[str, Callable[[], object]] = {
             name: functools.partial(lambda fn, batches: [fn(*b) for b in batches], fn, encoded)

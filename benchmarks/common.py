@@ -45,6 +45,12 @@ def runner_args(description: str) -> argparse.Namespace:
         help="comarl only: one process per agent (launched by torchrun with --nproc-per-node=agents)",
     )
     parser.add_argument(
+        "--plain-decoding",
+        action="store_true",
+        help="comarl and the floor: decode through the model's own forward (HFEngine(fast_decoding=False)), not "
+        "comarl's LlamaDecoder",
+    )
+    parser.add_argument(
         "--device",
         default="cpu",
         help="where every library places its models: cpu (the recorded CPU tables) or cuda (the GPU tables)",

@@ -3,7 +3,8 @@
 Per step and per agent, the same algorithm as comarl's trainer, written out with nothing around it:
 
 - generate: each of the step's prompts prefilled once (left padding), its KV cache repeated G times,
-  then one forward per new token over all rows, EOS masked (``min_new_tokens = max_new_tokens``), each
+  then one decode step per new token over all rows (comarl's ``LlamaDecoder``, the step comarl's engine
+  takes for this Qwen2 model; ``--plain-decoding``: the model's own forward), EOS masked (``min_new_tokens = max_new_tokens``), each
   token drawn by inverse CDF (cheaper than ``torch.multinomial`` on a CPU);
 - the shared reward and group-normalised advantages;
 - update: the distinct prompts (all but their last token) run once with grad, their KV cache repeated to
@@ -40,10 +41,12 @@ def _cache_argument(model) -> str:  # noqa: ANN001
     return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
 
 
-def generate(model, prompt_ids, prompt_mask, eos_token_id, G=NUM_GENERATIONS, T=NEW_TOKENS):  # noqa: ANN001, ANN201
+def generate(model, prompt_ids, prompt_mask, eos_token_id, plain, G=NUM_GENERATIONS, T=NEW_TOKENS):  # noqa: ANN001, ANN201
     """Completion ids [B * G, T], row b * G + j = sample j of prompt b."""
     import torch
     from transformers import DynamicCache
+
+    from comarl.llama_decoder import LlamaDecoder
 
     with torch.no_grad():  # sampling needs no graph
         cache_argument = _cache_argument(model)
@@ -57,7 +60,10 @@ def generate(model, prompt_ids, prompt_mask, eos_token_id, G=NUM_GENERATIONS, T=
             use_cache=True,
             logits_to_keep=1,
         ).logits[:, -1]
-        cache.batch_repeat_interleave(G)
+        if plain:
+            cache.batch_repeat_interleave(G)
+        else:
+            decoder = LlamaDecoder(model, cache, prompt_mask, G, T)
         logits = logits.repeat_interleave(G, dim=0)
         rows, P = logits.shape[0], prompt_ids.shape[1]
         attention = torch.cat([prompt_mask.repeat_interleave(G, dim=0), prompt_mask.new_ones(rows, T)], dim=1)
@@ -68,7 +74,9 @@ def generate(model, prompt_ids, prompt_mask, eos_token_id, G=NUM_GENERATIONS, T=
             cdf = torch.softmax(logits / TEMPERATURE, dim=-1).cumsum(dim=-1)
             u = (1 - torch.rand(rows, 1, device=cdf.device)) * cdf[:, -1:]
             tokens[:, t] = torch.searchsorted(cdf, u).squeeze(1)
-            if t + 1 < T:
+            if t + 1 < T and not plain:
+                logits = decoder.next_logits(tokens[:, t])
+            elif t + 1 < T:
                 logits = model(
                     input_ids=tokens[:, t : t + 1],
                     attention_mask=attention[:, : P + t + 1],
@@ -142,7 +150,13 @@ def main() -> None:
             completions, texts = [], []
             for model in models:
                 model.eval()
-                ids = generate(model, enc["input_ids"], enc["attention_mask"], tokenizer.eos_token_id)
+                ids = generate(
+                    model,
+                    enc["input_ids"],
+                    enc["attention_mask"],
+                    tokenizer.eos_token_id,
+                    args.plain_decoding,
+                )
                 completions.append(ids)
                 texts.append(tokenizer.batch_decode(ids, skip_special_tokens=True))
                 clock.completions += ids.shape[0]

@@ -20,11 +20,12 @@ def main() -> None:
     set_threads(args.threads)
     prompts = load_prompts(args.workload, args.prompts)
     trainer = build_trainer(args, prompts)
+    trainer.engine.fast_decoding = not args.plain_decoding
     totals: dict[str, float] = {}
     started = time.perf_counter()
-    for items in trainer._batches():  # the trainer's own data order, one training step at a time
+    for items, seeds in trainer._batches():  # the trainer's own data order and seeds, one step at a time
         trainer.step += 1
-        metrics, _ = trainer.training_step(items)
+        metrics, _ = trainer.training_step(items, seeds)
         for key, value in metrics.items():
             if key.startswith("time/"):
                 totals[key] = totals.get(key, 0.0) + value

@@ -64,6 +64,7 @@ def main() -> None:
     prompts = load_prompts(args.workload, args.prompts)
     trainer = build_trainer(args, prompts)
     clock = Clock()
+    trainer.engine.fast_decoding = not args.plain_decoding
     generate = trainer.engine.generate
 
     def counted_generate(agent, prompts, num_generations, params, seeds=None):  # noqa: ANN001, ANN202

@@ -180,7 +180,8 @@ def test_agent_processes_split_the_threads_of_a_one_process_run():
 
 def test_the_floor_samples_what_it_scores_and_its_log_probs_equal_a_per_row_forward(qwen_bpe):
     """floor.py shares each prompt's cache among its G rows, in sampling and in the update: its samples hold no
-    EOS (min_new_tokens = max_new_tokens) and its log-probs are a plain per-row forward's."""
+    EOS (min_new_tokens = max_new_tokens) and its log-probs are a plain per-row forward's. Its decode step
+    (comarl's LlamaDecoder) draws what the model's own forward (--plain-decoding) draws."""
     import torch
     from floor import completion_logprobs, generate
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -189,8 +190,14 @@ def test_the_floor_samples_what_it_scores_and_its_log_probs_equal_a_per_row_forw
     tokenizer.pad_token = tokenizer.eos_token
     model = AutoModelForCausalLM.from_pretrained(qwen_bpe)
     enc = tokenizer(["def add(a, b):", "alice and bob meet at the"], return_tensors="pt", padding=True)
-    torch.manual_seed(0)
-    ids = generate(model, enc["input_ids"], enc["attention_mask"], tokenizer.eos_token_id, G=3, T=5)
+    samples = []
+    for plain in (False, True):
+        torch.manual_seed(0)
+        samples.append(
+            generate(model, enc["input_ids"], enc["attention_mask"], tokenizer.eos_token_id, plain, 3, 5)
+        )
+    ids = samples[0]
+    assert torch.equal(ids, samples[1])
     assert ids.shape == (6, 5) and not (ids == tokenizer.eos_token_id).any()
     logp = completion_logprobs(model, enc["input_ids"], enc["attention_mask"], ids, G=3)
     prompt_ids = enc["input_ids"].repeat_interleave(3, dim=0)

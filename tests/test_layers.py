@@ -14,6 +14,7 @@ FORBIDDEN = {
     "config": {"torch"},
     "agents": {"envs", "rollout"},
     "engines": {"algorithms"},
+    "llama_decoder": {"*"},  # engines' decode step: torch and transformers only
     "envs": {"agents", "engines"},
     "rollout": {"trainers"},
     "algorithms": {

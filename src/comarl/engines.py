@@ -111,7 +111,14 @@ class HFEngine:
     all rows together, one forward per new token. For an agent with ``bf16`` set the whole call runs under
     bf16 autocast (CPU or CUDA), the precision the trainer then scores the samples in: the fp32 weights
     are cast once per call (autocast's cache), and decoding reads half the bytes.
+
+    ``fast_decoding`` (default True): Llama and Qwen2 models decode through comarl's own step,
+    :class:`~comarl.llama_decoder.LlamaDecoder` (the same logits, a third less time per token on a CPU);
+    False: every model through its own forward.
     """
+
+    def __init__(self, fast_decoding: bool = True) -> None:
+        self.fast_decoding = fast_decoding
 
     @torch.no_grad()
     def generate(
@@ -147,6 +154,7 @@ class HFEngine:
                     tok.pad_token_id,
                     agent.generator,
                     seeds,
+                    self.fast_decoding,
                 )
         finally:
             agent.model.train(was_training)
@@ -261,6 +269,7 @@ def sample_completions(
     pad_token_id: int,
     generator: torch.Generator | None = None,
     seeds: Sequence[int] | None = None,
+    fast_decoding: bool = True,
 ) -> torch.Tensor:
     """Completion ids ``[B * G, T]`` (row ``b * G + j`` = sample j of prompt b) from left-padded prompts ``[B, P]``.
 
@@ -270,9 +279,14 @@ def sample_completions(
     mask, as in ``model.generate`` with left padding. Tokens are drawn by :func:`next_tokens`, from
     ``generator`` (torch's global stream when None), or with ``seeds`` (one per prompt) from
     :func:`seeded_draws`, which makes a prompt's samples independent of the other prompts of the call. Logits
-    that are NaN or infinite (a model that overflowed) make the call raise once decoding ends.
+    that are NaN or infinite (a model that overflowed) make the call raise once decoding ends. With
+    ``fast_decoding``, a model that :func:`comarl.llama_decoder.unsupported_reason` accepts decodes through
+    :class:`~comarl.llama_decoder.LlamaDecoder` (the same logits without the forward's per-step overhead); any
+    other model, or ``fast_decoding=False``, through its own forward.
     """
     from transformers import DynamicCache
+
+    from comarl.llama_decoder import LlamaDecoder, unsupported_reason
 
     G, T = num_generations, params.max_new_tokens
     device = prompt_ids.device
@@ -288,9 +302,13 @@ def sample_completions(
         **{CACHE_ARGUMENT: cache},
     ).logits[:, -1]
     check_cache_filled(cache, model)
-    if G > 1:
+    decoder = None
+    if fast_decoding and unsupported_reason(model) is None:
+        decoder = LlamaDecoder(model, cache, prompt_mask, G, T)  # holds the cache G times over
+        del cache
+    elif G > 1:
         cache.batch_repeat_interleave(G)
-        logits = logits.repeat_interleave(G, dim=0)
+    logits = logits.repeat_interleave(G, dim=0)
     rows, P = logits.shape[0], prompt_ids.shape[1]
     # The whole attention mask up front; step t attends to the prompt and the t tokens before it.
     attention = torch.cat([prompt_mask.repeat_interleave(G, dim=0), prompt_mask.new_ones(rows, T)], dim=1)
@@ -315,13 +333,16 @@ def sample_completions(
         # One host sync per step, as generate's stopping check: stop once every row has ended.
         if t + 1 == T or not bool(running.any()):
             break
-        logits = model(
-            input_ids=tokens[:, t : t + 1],
-            attention_mask=attention[:, : P + t + 1],
-            position_ids=first_position + t,
-            use_cache=True,
-            **{CACHE_ARGUMENT: cache},
-        ).logits[:, -1]
+        if decoder is not None:
+            logits = decoder.next_logits(tokens[:, t])
+        else:
+            logits = model(
+                input_ids=tokens[:, t : t + 1],
+                attention_mask=attention[:, : P + t + 1],
+                position_ids=first_position + t,
+                use_cache=True,
+                **{CACHE_ARGUMENT: cache},
+            ).logits[:, -1]
     broken = int((~top_logits.isfinite()).sum())
     if broken:
         raise FloatingPointError(

@@ -1,0 +1,154 @@
+"""comarl's own decode step for Llama and Qwen2 models: the model's next-token logits, without its per-step overhead.
+
+Decoding a few rows at a time, ``model(input_ids=..., cache=...)`` spends a third of each step outside its
+matrix products: a causal mask built per step, the KV cache grown by ``cat``, module calls and shape checks
+(``docs/benchmarks.md``). :class:`LlamaDecoder` runs the same layers from the model's own weights (the same
+operations in the same order: RMSNorm in fp32, rotary embeddings from the model's ``rotary_emb``, SDPA, the
+model's activation), with a KV buffer per layer allocated once and written in place. It stands in for the
+forward only where :func:`unsupported_reason` finds nothing that the step would leave out; any other model
+(peft adapters, FSDP shards, quantized layers, hooks, sliding-window layers, another architecture) decodes
+through its own forward.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.nn.functional as F
+
+
+def _architectures() -> dict[type, set[type]]:
+    """The supported causal-LM classes, each with the exact module classes its model may hold."""
+    from transformers.models.llama import modeling_llama as llama
+    from transformers.models.qwen2 import modeling_qwen2 as qwen2
+
+    shared = {torch.nn.Linear, torch.nn.Embedding, torch.nn.ModuleList}
+    return {
+        llama.LlamaForCausalLM: shared
+        | {
+            llama.LlamaForCausalLM,
+            llama.LlamaModel,
+            llama.LlamaDecoderLayer,
+            llama.LlamaAttention,
+            llama.LlamaMLP,
+            llama.LlamaRMSNorm,
+            llama.LlamaRotaryEmbedding,
+        },
+        qwen2.Qwen2ForCausalLM: shared
+        | {
+            qwen2.Qwen2ForCausalLM,
+            qwen2.Qwen2Model,
+            qwen2.Qwen2DecoderLayer,
+            qwen2.Qwen2Attention,
+            qwen2.Qwen2MLP,
+            qwen2.Qwen2RMSNorm,
+            qwen2.Qwen2RotaryEmbedding,
+        },
+    }
+
+
+def unsupported_reason(model: Any) -> str | None:
+    """Why :class:`LlamaDecoder` cannot stand in for ``model``'s forward, or None when it can.
+
+    It can for a ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` made of exactly their own module classes
+    (a subclass, a peft layer, an FSDP or quantized module is not), without hooks, with full attention in
+    every layer, no attention dropout while training, and every weight on one device.
+    """
+    allowed = _architectures().get(type(model))
+    if allowed is None:
+        return f"{type(model).__name__} is not LlamaForCausalLM or Qwen2ForCausalLM"
+    config = model.config
+    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+        return "sliding-window attention layers"
+    if model.training and config.attention_dropout > 0:
+        return "attention dropout while training"
+    for name, module in model.named_modules():
+        # The activation is called as it is, whatever its class.
+        if not name.endswith(".act_fn") and type(module) not in allowed:
+            return f"{name or 'the model'} is a {type(module).__module__}.{type(module).__qualname__}"
+        if module._forward_hooks or module._forward_pre_hooks:
+            return f"{name or 'the model'} has forward hooks"
+    if len({p.device for p in model.parameters()}) > 1:
+        return "weights on several devices"
+    return None
+
+
+def rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:
+    """``w * (x / sqrt(mean(x^2) + eps))``, computed in fp32 and cast back to ``x``'s dtype (Llama's RMSNorm)."""
+    h = x.float()
+    h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + norm.variance_epsilon)
+    return norm.weight * h.to(x.dtype)
+
+
+def linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``x W^T + b`` with the layer's weights, without the module call."""
+    return F.linear(x, layer.weight, layer.bias)
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding ``x cos + rotate_half(x) sin`` with ``rotate_half([x1, x2]) = [-x2, x1]``."""
+    x1, x2 = x.chunk(2, dim=-1)
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+
+
+class LlamaDecoder:
+    """Next-token logits of ``B * G`` rows, one new token per call, after a prefill of ``B`` left-padded prompts.
+
+    Row ``b * G + j`` continues prompt b. The prefill's KV cache is copied once into per-layer buffers
+    ``[B * G, kv_heads, P + max_new_tokens, head_dim]``; each step writes its keys and values at position
+    ``P + t`` and attends to the first ``P + t + 1`` positions, the prompt's padding masked out.
+    Rotary positions follow the attention mask, as in :func:`comarl.engines.sample_completions`.
+    """
+
+    def __init__(
+        self, model: Any, cache: Any, prompt_mask: torch.Tensor, num_generations: int, max_new_tokens: int
+    ) -> None:
+        self.model = model
+        self.layers = model.model.layers[: model.config.num_hidden_layers]
+        G, T = num_generations, max_new_tokens
+        B, P = prompt_mask.shape
+        self.rows, self.prompt_length, self.step = B * G, P, 0
+        self.keys, self.values = [], []
+        for layer in cache.layers:
+            for prompt_kv, buffers in ((layer.keys, self.keys), (layer.values, self.values)):
+                _, heads, _, head_dim = prompt_kv.shape
+                buffer = prompt_kv.new_empty(B, G, heads, P + T, head_dim)
+                buffer[:, :, :, :P] = prompt_kv[:, None]
+                buffers.append(buffer.view(B * G, heads, P + T, head_dim))
+        keep = torch.cat([prompt_mask.bool(), prompt_mask.new_ones(B, T, dtype=torch.bool)], dim=1)
+        # [rows, 1, 1, P + T]: SDPA's boolean mask, True where a row may attend
+        self.keep = keep.repeat_interleave(G, dim=0)[:, None, None, :]
+        last = (prompt_mask.sum(dim=1, keepdim=True) - 1).clamp(min=0)
+        self.first_position = last.repeat_interleave(G, dim=0) + 1  # [rows, 1]
+
+    @torch.no_grad()
+    def next_logits(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """Logits ``[rows, V]`` for the token after ``token_ids[rows]``, the tokens chosen at this step."""
+        base, rows, n = self.model.model, self.rows, self.prompt_length + self.step + 1
+        x = base.embed_tokens.weight[token_ids][:, None]  # [rows, 1, hidden]
+        # Computed per step, as the model's forward does (a 'dynamic' RoPE rescales by the largest position).
+        cos, sin = base.rotary_emb(x, self.first_position + self.step)
+        cos, sin = cos[:, None], sin[:, None]  # [rows, 1, 1, head_dim]
+        for i, layer in enumerate(self.layers):
+            attention, mlp = layer.self_attn, layer.mlp
+            h = rms_norm(x, layer.input_layernorm)
+            head_dim = attention.head_dim
+            q = linear(attention.q_proj, h).view(rows, 1, -1, head_dim).transpose(1, 2)
+            k = linear(attention.k_proj, h).view(rows, 1, -1, head_dim).transpose(1, 2)
+            v = linear(attention.v_proj, h).view(rows, 1, -1, head_dim).transpose(1, 2)
+            self.keys[i][:, :, n - 1 : n] = rotate(k, cos, sin)
+            self.values[i][:, :, n - 1 : n] = v
+            out = F.scaled_dot_product_attention(
+                rotate(q, cos, sin),
+                self.keys[i][:, :, :n],
+                self.values[i][:, :, :n],
+                attn_mask=self.keep[..., :n],
+                scale=attention.scaling,
+                enable_gqa=True,
+            )
+            x = x + linear(attention.o_proj, out.transpose(1, 2).reshape(rows, 1, -1))
+            h = rms_norm(x, layer.post_attention_layernorm)
+            x = x + linear(mlp.down_proj, mlp.act_fn(linear(mlp.gate_proj, h)) * linear(mlp.up_proj, h))
+        self.step += 1
+        return linear(self.model.lm_head, rms_norm(x, base.norm))[:, -1]

@@ -1,0 +1,196 @@
+"""comarl's own decode step (``LlamaDecoder``) against the model's forward: the same logits step by step, the same
+samples through ``sample_completions``, and the models it must leave to their own forward."""
+
+from __future__ import annotations
+
+import peft
+import pytest
+import torch
+from transformers import (
+    AutoModelForCausalLM,
+    DynamicCache,
+    GPT2Config,
+    GPT2LMHeadModel,
+    LlamaConfig,
+    LlamaForCausalLM,
+    Qwen2Config,
+    Qwen2ForCausalLM,
+)
+
+from comarl.engines import HFEngine, SamplingParams, sample_completions
+from comarl.llama_decoder import LlamaDecoder, unsupported_reason
+
+SMALL = {
+    "vocab_size": 97,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 64,
+}
+
+
+def llama(**overrides) -> LlamaForCausalLM:
+    """A random Llama with every optional part on: biases, a head size of its own, llama3 RoPE scaling."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        **SMALL,
+        attention_bias=True,
+        mlp_bias=True,
+        head_dim=16,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 10000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 16,
+        },
+        **overrides,
+    )
+    return LlamaForCausalLM(config).eval()
+
+
+def qwen2(**overrides) -> Qwen2ForCausalLM:
+    torch.manual_seed(1)
+    return Qwen2ForCausalLM(Qwen2Config(**SMALL, **overrides)).eval()
+
+
+def left_padded(lengths: list[int], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
+    generator = torch.Generator().manual_seed(2)
+    P = max(lengths)
+    ids = torch.randint(vocab, (len(lengths), P), generator=generator)
+    mask = torch.zeros(len(lengths), P, dtype=torch.long)
+    for row, n in enumerate(lengths):
+        mask[row, P - n :] = 1
+    return ids, mask
+
+
+def forward_logits(model, ids, mask, G, continuation):
+    """Logits of every step by the model's own forward (the engine's plain path), teacher-forced on ``continuation``."""
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    first = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+    cache.batch_repeat_interleave(G)
+    attention = torch.cat(
+        [mask.repeat_interleave(G, 0), mask.new_ones(mask.shape[0] * G, continuation.shape[1])], 1
+    )
+    next_position = positions[:, -1:].repeat_interleave(G, 0) + 1
+    steps = [first.logits[:, -1].repeat_interleave(G, 0)]
+    for t in range(continuation.shape[1]):
+        out = model(
+            input_ids=continuation[:, t : t + 1],
+            attention_mask=attention[:, : ids.shape[1] + t + 1],
+            position_ids=next_position + t,
+            cache=cache,
+            use_cache=True,
+        )
+        steps.append(out.logits[:, -1])
+    return torch.stack(steps, 1)
+
+
+def decoder_logits(model, ids, mask, G, continuation):
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    first = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+    decoder = LlamaDecoder(model, cache, mask, G, continuation.shape[1])
+    steps = [first.logits[:, -1].repeat_interleave(G, 0)]
+    steps += [decoder.next_logits(continuation[:, t]) for t in range(continuation.shape[1])]
+    return torch.stack(steps, 1)
+
+
+@pytest.mark.parametrize("build", [llama, qwen2], ids=["llama", "qwen2"])
+@torch.no_grad()
+def test_decoder_logits_equal_the_model_forward_step_by_step(build):
+    """Left-padded prompts of different lengths (one unpadded), G = 3 rows each, 6 teacher-forced steps: every
+    step's logits equal the forward's, with the Llama's biases, own head size and llama3 RoPE scaling."""
+    model = build()
+    ids, mask = left_padded([5, 9, 2], model.config.vocab_size)
+    continuation = torch.randint(model.config.vocab_size, (9, 6), generator=torch.Generator().manual_seed(3))
+    expected = forward_logits(model, ids, mask, 3, continuation)
+    got = decoder_logits(model, ids, mask, 3, continuation)
+    assert got.shape == (9, 7, model.config.vocab_size)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
+@torch.no_grad()
+def test_decoder_follows_the_forward_under_bf16_autocast():
+    """Under bf16 autocast (an agent with bf16 set) the step runs the forward's operations in the same precisions."""
+    model = qwen2()
+    ids, mask = left_padded([4, 7], model.config.vocab_size)
+    continuation = torch.randint(model.config.vocab_size, (4, 5), generator=torch.Generator().manual_seed(4))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = forward_logits(model, ids, mask, 2, continuation)
+        got = decoder_logits(model, ids, mask, 2, continuation)
+    assert got.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=0)
+
+
+@pytest.mark.parametrize("do_sample", [True, False], ids=["sampled", "greedy"])
+@torch.no_grad()
+def test_sample_completions_draw_the_same_tokens_with_and_without_the_decoder(qwen_bpe, do_sample):
+    """The same seeded draws give the same completions through either path, rows ending at EOS included."""
+    model = AutoModelForCausalLM.from_pretrained(qwen_bpe).eval()
+    ids, mask = left_padded([6, 3, 11], model.config.vocab_size)
+    eos = [int(model.config.eos_token_id)]
+    params = SamplingParams(max_new_tokens=10, do_sample=do_sample)
+    fast, plain = (
+        sample_completions(model, ids, mask, 4, params, eos, 0, seeds=[7, 8, 9], fast_decoding=fast)
+        for fast in (True, False)
+    )
+    assert fast.shape[0] == 12
+    assert torch.equal(fast, plain)
+
+
+def test_the_engine_decodes_through_the_decoder_unless_told_not_to(qwen_bpe, monkeypatch):
+    from comarl.agents import Agent
+
+    calls = []
+    step = LlamaDecoder.next_logits
+    monkeypatch.setattr(
+        LlamaDecoder, "next_logits", lambda self, ids: calls.append(len(ids)) or step(self, ids)
+    )
+    agent = Agent.from_pretrained(qwen_bpe)
+    params = SamplingParams(max_new_tokens=5, min_new_tokens=5)
+    plain = HFEngine(fast_decoding=False).generate(agent, ["a b", "c"], 2, params, seeds=[1, 2])
+    assert calls == []
+    fast = HFEngine().generate(agent, ["a b", "c"], 2, params, seeds=[1, 2])
+    assert calls == [4, 4, 4, 4]  # 5 tokens: the prefill's logits, then 4 steps of 4 rows
+    assert fast.completions == plain.completions
+
+
+def test_models_the_decoder_cannot_stand_in_for():
+    assert unsupported_reason(llama()) is None
+    assert unsupported_reason(qwen2()) is None
+    gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50))
+    assert unsupported_reason(gpt2) == "GPT2LMHeadModel is not LlamaForCausalLM or Qwen2ForCausalLM"
+
+    class Custom(Qwen2ForCausalLM):
+        pass
+
+    assert (
+        unsupported_reason(Custom(Qwen2Config(**SMALL)))
+        == "Custom is not LlamaForCausalLM or Qwen2ForCausalLM"
+    )
+    sliding = qwen2(use_sliding_window=True, sliding_window=8, max_window_layers=1)
+    assert unsupported_reason(sliding) == "sliding-window attention layers"
+    dropout = qwen2(attention_dropout=0.1)
+    assert unsupported_reason(dropout) is None  # in eval mode, as the engine runs it
+    assert unsupported_reason(dropout.train()) == "attention dropout while training"
+    hooked = qwen2()
+    hooked.model.layers[1].mlp.register_forward_hook(lambda *args: None)
+    assert unsupported_reason(hooked) == "model.layers.1.mlp has forward hooks"
+    swapped = qwen2()
+    swapped.model.layers[0].self_attn.q_proj = torch.nn.Sequential(swapped.model.layers[0].self_attn.q_proj)
+    assert unsupported_reason(swapped) == (
+        "model.layers.0.self_attn.q_proj is a torch.nn.modules.container.Sequential"
+    )
+
+
+def test_peft_adapters_keep_the_model_forward():
+    model = peft.get_peft_model(qwen2(), peft.LoraConfig(r=2, target_modules=["q_proj"]))
+    assert unsupported_reason(model) == "PeftModel is not LlamaForCausalLM or Qwen2ForCausalLM"
+    assert unsupported_reason(model.base_model.model) == (
+        "model.layers.0.self_attn.q_proj is a peft.tuners.lora.layer.Linear"
+    )
