@@ -115,6 +115,23 @@ def test_decoder_logits_equal_the_model_forward_step_by_step(build):
 
 
 @torch.no_grad()
+def test_a_dynamic_rope_rescales_step_by_step_as_in_the_forward():
+    """A 'dynamic' RoPE changes its frequencies once positions pass the original 8: the decoder takes cos and sin
+    from the model's rotary_emb at every step, as the forward does, so its logits still match."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        **{**SMALL, "max_position_embeddings": 8},
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    )
+    model = LlamaForCausalLM(config).eval()
+    ids, mask = left_padded([5, 3], config.vocab_size)
+    continuation = torch.randint(config.vocab_size, (4, 8), generator=torch.Generator().manual_seed(5))
+    expected = forward_logits(model, ids, mask, 2, continuation)
+    got = decoder_logits(model, ids, mask, 2, continuation)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
+@torch.no_grad()
 def test_decoder_follows_the_forward_under_bf16_autocast():
     """Under bf16 autocast (an agent with bf16 set) the step runs the forward's operations in the same precisions."""
     model = qwen2()
