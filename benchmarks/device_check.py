@@ -7,7 +7,8 @@ Each check prints one line ``CHECK <name> ok|FAIL <detail>``; the exit status is
 fails. Everything is built offline (tiny models from ``comarl.tiny`` and the demo team), so the
 device machine needs no network. The checks:
 
-1. ``decode``: the engine's greedy decode equals ``model.generate`` on the device;
+1. ``decode``: the engine's greedy decode, through comarl's own step (``LlamaDecoder``), equals ``model.generate`` on the
+   device;
 2. ``bf16_step``: one MAGRPO step with ``bf16=True`` (autocast) changes every parameter, weights stay fp32,
    generation and the update both ran in bf16, and the memory check read the device's free memory;
 3. ``demo``: the demo game for 200 steps on the device (as its CPU learning test); greedy joint success ≥ 0.9;
@@ -42,10 +43,14 @@ def check_decode(device: str, base: Path) -> str:
 
     from comarl.agents import Agent
     from comarl.engines import HFEngine, SamplingParams
+    from comarl.llama_decoder import unsupported_reason
     from comarl.tiny import tiny_model
 
     path = tiny_model(base / "qwen", kind="bpe", arch="qwen2", seed=0)
     agent = Agent.from_pretrained(path, device=device)
+    reason = unsupported_reason(agent.model)
+    if reason is not None:  # the check is of comarl's own decode step on this device
+        raise AssertionError(f"LlamaDecoder refused the tiny Qwen2 model: {reason}")
     prompts = ["def add(a, b):", "the agents meet at the"]
     ours = HFEngine().generate(agent, prompts, 1, SamplingParams(max_new_tokens=12, do_sample=False))
     ids, mask = agent.encode(prompts)
@@ -56,7 +61,7 @@ def check_decode(device: str, base: Path) -> str:
     same = torch.equal(ours.completion_ids[:, :width].cpu(), theirs[:, :width].cpu())
     if not same:
         raise AssertionError(f"greedy ids differ: {ours.completion_ids.tolist()} vs {theirs.tolist()}")
-    return f"{width} tokens equal"
+    return f"{width} tokens equal (LlamaDecoder)"
 
 
 def check_bf16_step(device: str, base: Path) -> str:

@@ -2,9 +2,9 @@
 
 Decoding a few rows at a time, ``model(input_ids=..., cache=...)`` spends a third of each step outside its
 matrix products: a causal mask built per step, the KV cache grown by ``cat``, module calls and shape checks
-(``docs/benchmarks.md``). :class:`LlamaDecoder` runs the same layers from the model's own weights (the same
-operations in the same order: RMSNorm in fp32, rotary embeddings from the model's ``rotary_emb``, SDPA, the
-model's activation), with a KV buffer per layer allocated once and written in place. It stands in for the
+(``docs/benchmarks.md``). :class:`LlamaDecoder` runs the same layers from the model's own weights, operation for
+operation as the forward with its default SDPA attention (RMSNorm in fp32, rotary embeddings from the model's
+``rotary_emb``, SDPA, the model's activation), with a KV buffer per layer allocated once and written in place. It stands in for the
 forward only where :func:`unsupported_reason` finds nothing that the step would leave out; any other model
 (peft adapters, FSDP shards, quantized layers, hooks, sliding-window layers, another architecture) decodes
 through its own forward.
