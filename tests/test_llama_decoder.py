@@ -31,6 +31,18 @@ SMALL = {
 }
 
 
+def randomized(model):
+    """Biases and RMSNorm weights away from their initial 0 and 1, so that a step leaving one out shows."""
+    generator = torch.Generator().manual_seed(6)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("bias"):
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.2)
+            elif param.dim() == 1:
+                param.copy_(0.5 + torch.rand(param.shape, generator=generator))
+    return model.eval()
+
+
 def llama(**overrides) -> LlamaForCausalLM:
     """A random Llama with every optional part on: biases, a head size of its own, llama3 RoPE scaling."""
     torch.manual_seed(0)
@@ -49,12 +61,12 @@ def llama(**overrides) -> LlamaForCausalLM:
         },
         **overrides,
     )
-    return LlamaForCausalLM(config).eval()
+    return randomized(LlamaForCausalLM(config))
 
 
 def qwen2(**overrides) -> Qwen2ForCausalLM:
     torch.manual_seed(1)
-    return Qwen2ForCausalLM(Qwen2Config(**SMALL, **overrides)).eval()
+    return randomized(Qwen2ForCausalLM(Qwen2Config(**SMALL, **overrides)))
 
 
 def left_padded(lengths: list[int], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -198,6 +210,9 @@ def test_models_the_decoder_cannot_stand_in_for():
     hooked = qwen2()
     hooked.model.layers[1].mlp.register_forward_hook(lambda *args: None)
     assert unsupported_reason(hooked) == "model.layers.1.mlp has forward hooks"
+    split = qwen2()
+    split.model.layers[1].to("meta")
+    assert unsupported_reason(split) == "weights on several devices"
     swapped = qwen2()
     swapped.model.layers[0].self_attn.q_proj = torch.nn.Sequential(swapped.model.layers[0].self_attn.q_proj)
     assert unsupported_reason(swapped) == (
