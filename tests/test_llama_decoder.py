@@ -207,6 +207,9 @@ def test_models_the_decoder_cannot_stand_in_for():
     dropout = qwen2(attention_dropout=0.1)
     assert unsupported_reason(dropout) is None  # in eval mode, as the engine runs it
     assert unsupported_reason(dropout.train()) == "attention dropout while training"
+    wrapped = lora(qwen2())
+    wrapped.register_forward_pre_hook(lambda *args: None)
+    assert unsupported_reason(wrapped) == "the model has forward hooks"
     hooked = qwen2()
     hooked.model.layers[1].mlp.register_forward_hook(lambda *args: None)
     assert unsupported_reason(hooked) == "model.layers.1.mlp has forward hooks"
@@ -214,15 +217,53 @@ def test_models_the_decoder_cannot_stand_in_for():
     split.model.layers[1].to("meta")
     assert unsupported_reason(split) == "weights on several devices"
     swapped = qwen2()
-    swapped.model.layers[0].self_attn.q_proj = torch.nn.Sequential(swapped.model.layers[0].self_attn.q_proj)
+    swapped.model.layers[0].input_layernorm = torch.nn.LayerNorm(SMALL["hidden_size"])
     assert unsupported_reason(swapped) == (
-        "model.layers.0.self_attn.q_proj is a torch.nn.modules.container.Sequential"
+        "model.layers.0.input_layernorm is a torch.nn.modules.normalization.LayerNorm"
     )
 
 
-def test_peft_adapters_keep_the_model_forward():
-    model = peft.get_peft_model(qwen2(), peft.LoraConfig(r=2, target_modules=["q_proj"]))
-    assert unsupported_reason(model) == "PeftModel is not LlamaForCausalLM or Qwen2ForCausalLM"
-    assert unsupported_reason(model.base_model.model) == (
-        "model.layers.0.self_attn.q_proj is a peft.tuners.lora.layer.Linear"
+def lora(
+    model, names=("first",), targets=("q_proj", "v_proj", "o_proj", "up_proj", "down_proj", "embed_tokens")
+):
+    """``model`` with a LoRA adapter per name, none of them a no-op (peft starts every adapter at one)."""
+    config = peft.LoraConfig(r=2, lora_alpha=4, lora_dropout=0.0, target_modules=list(targets))
+    model = peft.get_peft_model(model, config, adapter_name=names[0])
+    for name in names[1:]:
+        model.add_adapter(name, config)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for key, param in model.named_parameters():
+            if "lora_B" in key or "lora_embedding_A" in key:  # (an embedding's A starts at 0, its B random)
+                param.copy_(torch.randn(param.shape, generator=generator) * 0.3)
+    return model.eval()
+
+
+@torch.no_grad()
+def test_lora_models_decode_with_their_adapters_step_by_step():
+    """A peft LoRA model (adapters on projections and on the embedding) decodes through the step, its LoRA layers
+    called as modules; with two adapters, the logits follow whichever is active, as the forward's do."""
+    model = lora(qwen2(), names=("first", "second"))
+    assert unsupported_reason(model) is None
+    ids, mask = left_padded([4, 6], SMALL["vocab_size"])
+    continuation = torch.randint(SMALL["vocab_size"], (4, 5), generator=torch.Generator().manual_seed(8))
+    logits = {}
+    for name in ("first", "second"):
+        model.set_adapter(name)
+        logits[name] = decoder_logits(model, ids, mask, 2, continuation)
+        torch.testing.assert_close(
+            logits[name], forward_logits(model, ids, mask, 2, continuation), atol=2e-5, rtol=1e-5
+        )
+    assert not torch.allclose(logits["first"], logits["second"], atol=1e-3)
+    with model.disable_adapter():
+        plain = decoder_logits(model, ids, mask, 2, continuation)
+        torch.testing.assert_close(
+            plain, forward_logits(model, ids, mask, 2, continuation), atol=2e-5, rtol=1e-5
+        )
+
+
+def test_peft_adapters_other_than_lora_keep_the_model_forward():
+    ia3 = peft.get_peft_model(
+        qwen2(), peft.IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"])
     )
+    assert unsupported_reason(ia3) == "PeftModel holds peft adapters other than LoRA"

@@ -4,14 +4,16 @@ Decoding a few rows at a time, ``model(input_ids=..., cache=...)`` spends a thir
 matrix products: a causal mask built per step, the KV cache grown by ``cat``, module calls and shape checks
 (``docs/benchmarks.md``). :class:`LlamaDecoder` runs the same layers from the model's own weights, operation for
 operation as the forward with its default SDPA attention (RMSNorm in fp32, rotary embeddings from the model's
-``rotary_emb``, SDPA, the model's activation), with a KV buffer per layer allocated once and written in place. It stands in for the
-forward only where :func:`unsupported_reason` finds nothing that the step would leave out; any other model
-(peft adapters, FSDP shards, quantized layers, hooks, sliding-window layers, another architecture) decodes
-through its own forward.
+``rotary_emb``, SDPA, the model's activation), with a KV buffer per layer allocated once and written in place.
+It stands in for the forward only where :func:`unsupported_reason` finds nothing that the step would leave out; any other model
+(FSDP shards, hooks, sliding-window layers, peft adapters other than LoRA, another architecture) decodes through
+its own forward. A projection that is not a plain ``nn.Linear`` (a LoRA layer, a quantized one) is called as the
+module it is, so it computes what it computes in the forward.
 """
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import torch
@@ -23,7 +25,7 @@ def _architectures() -> dict[type, set[type]]:
     from transformers.models.llama import modeling_llama as llama
     from transformers.models.qwen2 import modeling_qwen2 as qwen2
 
-    shared = {torch.nn.Linear, torch.nn.Embedding, torch.nn.ModuleList}
+    shared = {torch.nn.ModuleList}
     return {
         llama.LlamaForCausalLM: shared
         | {
@@ -48,27 +50,61 @@ def _architectures() -> dict[type, set[type]]:
     }
 
 
+# The layers LlamaDecoder calls through linear() and embed(): any module there computes its own output.
+PROJECTIONS = {
+    "q_proj",
+    "k_proj",
+    "v_proj",
+    "o_proj",
+    "gate_proj",
+    "up_proj",
+    "down_proj",
+    "lm_head",
+    "embed_tokens",
+}
+
+
+def causal_lm(model: Any) -> Any:
+    """The causal LM whose layers decode: ``model`` itself, or the one inside a peft model whose adapters are all
+    LoRA (its forward is then the wrapped model's, with the LoRA layers in place); None for other peft models."""
+    peft = sys.modules.get("peft")  # a model cannot be a PeftModel unless peft was imported
+    if peft is None or not isinstance(model, peft.PeftModel):
+        return model
+    if any(config.peft_type != "LORA" for config in model.peft_config.values()):
+        return None
+    return model.get_base_model()
+
+
 def unsupported_reason(model: Any) -> str | None:
     """Why :class:`LlamaDecoder` cannot stand in for ``model``'s forward, or None when it can.
 
-    It can for a ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` made of exactly their own module classes
-    (a subclass, a peft layer, an FSDP or quantized module is not), without hooks, with full attention in
-    every layer, no attention dropout while training, and every weight on one device.
+    It can for a ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` (also inside a peft LoRA model) made of exactly
+    their own module classes but for the projections and embeddings (:data:`PROJECTIONS`, called as modules
+    unless plain ``nn.Linear`` / ``nn.Embedding``), without hooks, with full attention in every layer, no
+    attention dropout while training, and every weight on one device. A subclass, an FSDP-sharded layer or a
+    replaced norm is refused.
     """
-    allowed = _architectures().get(type(model))
+    inner = causal_lm(model)
+    if inner is None:
+        return f"{type(model).__name__} holds peft adapters other than LoRA"
+    allowed = _architectures().get(type(inner))
     if allowed is None:
-        return f"{type(model).__name__} is not LlamaForCausalLM or Qwen2ForCausalLM"
-    config = model.config
+        return f"{type(inner).__name__} is not LlamaForCausalLM or Qwen2ForCausalLM"
+    config = inner.config
     if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
         return "sliding-window attention layers"
-    if model.training and config.attention_dropout > 0:
+    if inner.training and config.attention_dropout > 0:
         return "attention dropout while training"
     for name, module in model.named_modules():
-        # The activation is called as it is, whatever its class.
-        if not name.endswith(".act_fn") and type(module) not in allowed:
-            return f"{name or 'the model'} is a {type(module).__module__}.{type(module).__qualname__}"
         if module._forward_hooks or module._forward_pre_hooks:
             return f"{name or 'the model'} has forward hooks"
+    for name, module in inner.named_modules():
+        path = name.split(".")
+        # Projections and activations are called as they are, whatever their class (and whatever they hold).
+        if set(path) & PROJECTIONS or path[-1] == "act_fn":
+            continue
+        if type(module) not in allowed:
+            return f"{name or 'the model'} is a {type(module).__module__}.{type(module).__qualname__}"
     if len({p.device for p in model.parameters()}) > 1:
         return "weights on several devices"
     return None
@@ -81,9 +117,19 @@ def rms_norm(x: torch.Tensor, norm: Any) -> torch.Tensor:
     return norm.weight * h.to(x.dtype)
 
 
-def linear(layer: torch.nn.Linear, x: torch.Tensor) -> torch.Tensor:
-    """``x W^T + b`` with the layer's weights, without the module call."""
-    return F.linear(x, layer.weight, layer.bias)
+def linear(layer: Any, x: torch.Tensor) -> torch.Tensor:
+    """The projection of ``x``: ``x W^T + b`` without the module call for a plain ``nn.Linear``, else the module's
+    own forward (a LoRA or quantized layer)."""
+    if type(layer) is torch.nn.Linear:
+        return F.linear(x, layer.weight, layer.bias)
+    return layer(x)
+
+
+def embed(layer: Any, token_ids: torch.Tensor) -> torch.Tensor:
+    """The embeddings of ``token_ids``: a row lookup for a plain ``nn.Embedding``, else the module's forward."""
+    if type(layer) is torch.nn.Embedding:
+        return layer.weight[token_ids]
+    return layer(token_ids)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -104,7 +150,7 @@ class LlamaDecoder:
     def __init__(
         self, model: Any, cache: Any, prompt_mask: torch.Tensor, num_generations: int, max_new_tokens: int
     ) -> None:
-        self.model = model
+        self.model = model = causal_lm(model)
         self.layers = model.model.layers[: model.config.num_hidden_layers]
         G, T = num_generations, max_new_tokens
         B, P = prompt_mask.shape
@@ -126,7 +172,7 @@ class LlamaDecoder:
     def next_logits(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Logits ``[rows, V]`` for the token after ``token_ids[rows]``, the tokens chosen at this step."""
         base, rows, n = self.model.model, self.rows, self.prompt_length + self.step + 1
-        x = base.embed_tokens.weight[token_ids][:, None]  # [rows, 1, hidden]
+        x = embed(base.embed_tokens, token_ids)[:, None]  # [rows, 1, hidden]
         # Computed per step, as the model's forward does (a 'dynamic' RoPE rescales by the largest position).
         cos, sin = base.rotary_emb(x, self.first_position + self.step)
         cos, sin = cos[:, None], sin[:, None]  # [rows, 1, 1, head_dim]
