@@ -15,6 +15,8 @@ from transformers import (
     LlamaForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
+    Qwen3Config,
+    Qwen3ForCausalLM,
 )
 
 from comarl.engines import HFEngine, SamplingParams, sample_completions
@@ -69,6 +71,12 @@ def qwen2(**overrides) -> Qwen2ForCausalLM:
     return randomized(Qwen2ForCausalLM(Qwen2Config(**SMALL, **overrides)))
 
 
+def qwen3(**overrides) -> Qwen3ForCausalLM:
+    """A random Qwen3: an RMSNorm over each head's query and key, a head size set apart from the hidden size."""
+    torch.manual_seed(2)
+    return randomized(Qwen3ForCausalLM(Qwen3Config(**SMALL, head_dim=16, **overrides)))
+
+
 def left_padded(lengths: list[int], vocab: int) -> tuple[torch.Tensor, torch.Tensor]:
     generator = torch.Generator().manual_seed(2)
     P = max(lengths)
@@ -112,7 +120,7 @@ def decoder_logits(model, ids, mask, G, continuation):
     return torch.stack(steps, 1)
 
 
-@pytest.mark.parametrize("build", [llama, qwen2], ids=["llama", "qwen2"])
+@pytest.mark.parametrize("build", [llama, qwen2, qwen3], ids=["llama", "qwen2", "qwen3"])
 @torch.no_grad()
 def test_decoder_logits_equal_the_model_forward_step_by_step(build):
     """Left-padded prompts of different lengths (one unpadded), G = 3 rows each, 6 teacher-forced steps: every
@@ -192,15 +200,19 @@ def test_the_engine_decodes_through_the_decoder_unless_told_not_to(qwen_bpe, mon
 def test_models_the_decoder_cannot_stand_in_for():
     assert unsupported_reason(llama()) is None
     assert unsupported_reason(qwen2()) is None
+    assert unsupported_reason(qwen3()) is None
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50))
-    assert unsupported_reason(gpt2) == "GPT2LMHeadModel is not LlamaForCausalLM or Qwen2ForCausalLM"
+    assert (
+        unsupported_reason(gpt2)
+        == "GPT2LMHeadModel is not LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM"
+    )
 
     class Custom(Qwen2ForCausalLM):
         pass
 
     assert (
         unsupported_reason(Custom(Qwen2Config(**SMALL)))
-        == "Custom is not LlamaForCausalLM or Qwen2ForCausalLM"
+        == "Custom is not LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM"
     )
     sliding = qwen2(use_sliding_window=True, sliding_window=8, max_window_layers=1)
     assert unsupported_reason(sliding) == "sliding-window attention layers"

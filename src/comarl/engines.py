@@ -112,7 +112,7 @@ class HFEngine:
     bf16 autocast (CPU or CUDA), the precision the trainer then scores the samples in: the fp32 weights
     are cast once per call (autocast's cache), and decoding reads half the bytes.
 
-    ``fast_decoding`` (default True): Llama and Qwen2 models decode through comarl's own step,
+    ``fast_decoding`` (default True): Llama, Qwen2 and Qwen3 models decode through comarl's own step,
     :class:`~comarl.llama_decoder.LlamaDecoder` (the same logits; generation ~1.2x faster on a CPU);
     False: every model through its own forward.
     """

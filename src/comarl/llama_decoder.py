@@ -1,4 +1,4 @@
-"""comarl's own decode step for Llama and Qwen2 models: the model's next-token logits, without its per-step overhead.
+"""comarl's own decode step for Llama, Qwen2 and Qwen3 models: the model's next-token logits, without its per-step overhead.
 
 Decoding a few rows at a time, ``model(input_ids=..., cache=...)`` spends a third of each step outside its
 matrix products: a causal mask built per step, the KV cache grown by ``cat``, module calls and shape checks
@@ -24,6 +24,7 @@ def _architectures() -> dict[type, set[type]]:
     """The supported causal-LM classes, each with the exact module classes its model may hold."""
     from transformers.models.llama import modeling_llama as llama
     from transformers.models.qwen2 import modeling_qwen2 as qwen2
+    from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
     shared = {torch.nn.ModuleList}
     return {
@@ -46,6 +47,16 @@ def _architectures() -> dict[type, set[type]]:
             qwen2.Qwen2MLP,
             qwen2.Qwen2RMSNorm,
             qwen2.Qwen2RotaryEmbedding,
+        },
+        qwen3.Qwen3ForCausalLM: shared
+        | {
+            qwen3.Qwen3ForCausalLM,
+            qwen3.Qwen3Model,
+            qwen3.Qwen3DecoderLayer,
+            qwen3.Qwen3Attention,
+            qwen3.Qwen3MLP,
+            qwen3.Qwen3RMSNorm,
+            qwen3.Qwen3RotaryEmbedding,
         },
     }
 
@@ -78,7 +89,7 @@ def causal_lm(model: Any) -> Any:
 def unsupported_reason(model: Any) -> str | None:
     """Why :class:`LlamaDecoder` cannot stand in for ``model``'s forward, or None when it can.
 
-    It can for a ``LlamaForCausalLM`` or ``Qwen2ForCausalLM`` (also inside a peft LoRA model) made of exactly
+    It can for a ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` (also inside a peft LoRA model) made of exactly
     their own module classes but for the projections and embeddings (:data:`PROJECTIONS`, called as modules
     unless plain ``nn.Linear`` / ``nn.Embedding``), without hooks, with full attention in every layer, no
     attention dropout while training, and every weight on one device. A subclass, an FSDP-sharded layer or a
@@ -89,7 +100,7 @@ def unsupported_reason(model: Any) -> str | None:
         return f"{type(model).__name__} holds peft adapters other than LoRA"
     allowed = _architectures().get(type(inner))
     if allowed is None:
-        return f"{type(inner).__name__} is not LlamaForCausalLM or Qwen2ForCausalLM"
+        return f"{type(inner).__name__} is not LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM"
     config = inner.config
     if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
         return "sliding-window attention layers"
@@ -180,8 +191,11 @@ class LlamaDecoder:
             attention, mlp = layer.self_attn, layer.mlp
             h = rms_norm(x, layer.input_layernorm)
             head_dim = attention.head_dim
-            q = linear(attention.q_proj, h).view(rows, 1, -1, head_dim).transpose(1, 2)
-            k = linear(attention.k_proj, h).view(rows, 1, -1, head_dim).transpose(1, 2)
+            q = linear(attention.q_proj, h).view(rows, 1, -1, head_dim)
+            k = linear(attention.k_proj, h).view(rows, 1, -1, head_dim)
+            if hasattr(attention, "q_norm"):  # Qwen3: an RMSNorm over each head's query and key
+                q, k = rms_norm(q, attention.q_norm), rms_norm(k, attention.k_norm)
+            q, k = q.transpose(1, 2), k.transpose(1, 2)
             v = linear(attention.v_proj, h).view(rows, 1, -1, head_dim).transpose(1, 2)
             self.keys[i][:, :, n - 1 : n] = rotate(k, cos, sin)
             self.values[i][:, :, n - 1 : n] = v
