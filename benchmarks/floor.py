@@ -4,8 +4,8 @@ Per step and per agent, the same algorithm as comarl's trainer, written out with
 
 - generate: each of the step's prompts prefilled once (left padding), its KV cache repeated G times,
   then one decode step per new token over all rows (comarl's ``LlamaDecoder``, the step comarl's engine
-  takes for this Qwen2 model; ``--plain-decoding``: the model's own forward), EOS masked (``min_new_tokens = max_new_tokens``), each
-  token drawn by inverse CDF (cheaper than ``torch.multinomial`` on a CPU);
+  takes for this Qwen2 model; ``--plain-decoding``: the model's own forward), EOS masked
+  (``min_new_tokens = max_new_tokens``), each token drawn by inverse CDF (cheaper than ``torch.multinomial``);
 - the shared reward and group-normalised advantages;
 - update: the distinct prompts (all but their last token) run once with grad, their KV cache repeated to
   the G rows, then last prompt token + completion per row; token log-probs, a token-mean
@@ -74,9 +74,11 @@ def generate(model, prompt_ids, prompt_mask, eos_token_id, plain, G=NUM_GENERATI
             cdf = torch.softmax(logits / TEMPERATURE, dim=-1).cumsum(dim=-1)
             u = (1 - torch.rand(rows, 1, device=cdf.device)) * cdf[:, -1:]
             tokens[:, t] = torch.searchsorted(cdf, u).squeeze(1)
-            if t + 1 < T and not plain:
+            if t + 1 == T:
+                break
+            if not plain:
                 logits = decoder.next_logits(tokens[:, t])
-            elif t + 1 < T:
+            else:
                 logits = model(
                     input_ids=tokens[:, t : t + 1],
                     attention_mask=attention[:, : P + t + 1],

@@ -20,7 +20,6 @@ def main() -> None:
     set_threads(args.threads)
     prompts = load_prompts(args.workload, args.prompts)
     trainer = build_trainer(args, prompts)
-    trainer.engine.fast_decoding = not args.plain_decoding
     totals: dict[str, float] = {}
     started = time.perf_counter()
     for items, seeds in trainer._batches():  # the trainer's own data order and seeds, one step at a time

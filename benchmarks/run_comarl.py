@@ -54,6 +54,7 @@ def build_trainer(args: Any, prompts: list[dict[str, str]]) -> Any:
         formatters=[lambda item: item["prompt"]] * args.agents,
         args=config,
     )
+    trainer.engine.fast_decoding = not args.plain_decoding
     return trainer
 
 
@@ -64,7 +65,6 @@ def main() -> None:
     prompts = load_prompts(args.workload, args.prompts)
     trainer = build_trainer(args, prompts)
     clock = Clock()
-    trainer.engine.fast_decoding = not args.plain_decoding
     generate = trainer.engine.generate
 
     def counted_generate(agent, prompts, num_generations, params, seeds=None):  # noqa: ANN001, ANN202
