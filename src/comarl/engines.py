@@ -12,6 +12,7 @@ from typing import Any, Protocol
 import torch
 
 from comarl.agents import CACHE_ARGUMENT, Agent, Prompt, check_cache_filled
+from comarl.llama_decoder import LlamaDecoder, unsupported_reason
 
 
 @dataclass
@@ -285,8 +286,6 @@ def sample_completions(
     other model, or ``fast_decoding=False``, through its own forward.
     """
     from transformers import DynamicCache
-
-    from comarl.llama_decoder import LlamaDecoder, unsupported_reason
 
     G, T = num_generations, params.max_new_tokens
     device = prompt_ids.device
