@@ -5,7 +5,8 @@ For one epoch's prompts (in steps of 1 or 8 prompts, G = 4 samples each, 32 new 
 - generation: ``model.generate`` as comarl called it before (one GenerationConfig per call, every
   prompt repeated G times), comarl's own decode loop on the repeated prompts, the decode loop with
   the prompt run once per group (drawing with torch.multinomial), with the inverse-CDF draw, and with
-  comarl's own decode step (``LlamaDecoder``) instead of the model's forward (the engine now);
+  comarl's own decode step (``LlamaDecoder``) instead of the model's forward, and with that step's weights
+  packed for oneDNN once per generate call (the engine now);
 - the training forward + backward of the log-probs: one forward over prompt+completion per row,
   and the shared-prompt forward (the prompt once per group; the agent now).
 
@@ -50,6 +51,7 @@ def main() -> None:
 
     import comarl.agents
     import comarl.engines
+    import comarl.llama_decoder
     from comarl.agents import Agent
     from comarl.engines import HFEngine, SamplingParams, sample_completions
 
@@ -87,6 +89,14 @@ def main() -> None:
         sample_completions(model, ids, mask, G, params, agent.eos_token_ids, pad, fast_decoding=fast)
 
     def own_loop_shared_llama_decoder(ids: torch.Tensor, mask: torch.Tensor) -> None:
+        packing = comarl.llama_decoder.packed_weights
+        comarl.llama_decoder.packed_weights = lambda model: {}  # the step as it was before it packed weights
+        try:
+            own_loop_shared(ids, mask, fast=True)
+        finally:
+            comarl.llama_decoder.packed_weights = packing
+
+    def own_loop_shared_llama_decoder_packed(ids: torch.Tensor, mask: torch.Tensor) -> None:
         own_loop_shared(ids, mask, fast=True)
 
     def multinomial_draw(
@@ -137,8 +147,11 @@ def main() -> None:
                 own_loop_shared_multinomial
             ),
             "generate: + inverse-CDF draw": torch.no_grad()(own_loop_shared),
-            "generate: + LlamaDecoder instead of the model's forward (the engine now)": torch.no_grad()(
+            "generate: + LlamaDecoder instead of the model's forward": torch.no_grad()(
                 own_loop_shared_llama_decoder
+            ),
+            "generate: + its weights packed once per call (the engine now)": torch.no_grad()(
+                own_loop_shared_llama_decoder_packed
             ),
         }
         variants: dict[str, Callable[[], object]] = {

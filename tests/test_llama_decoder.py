@@ -19,8 +19,9 @@ from transformers import (
     Qwen3ForCausalLM,
 )
 
+from comarl import llama_decoder
 from comarl.engines import HFEngine, SamplingParams, sample_completions
-from comarl.llama_decoder import LlamaDecoder, unsupported_reason
+from comarl.llama_decoder import LlamaDecoder, packed_weights, unsupported_reason
 
 SMALL = {
     "vocab_size": 97,
@@ -162,6 +163,60 @@ def test_decoder_follows_the_forward_under_bf16_autocast():
         got = decoder_logits(model, ids, mask, 2, continuation)
     assert got.dtype == expected.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=0)
+
+
+def packed_names(model) -> list[str]:
+    """The layers whose weight a decoder for ``model`` packs (``packed_weights``), by name."""
+    packed = packed_weights(model)
+    return sorted(name for name, module in model.named_modules() if module in packed)
+
+
+@torch.no_grad()
+def test_plain_projections_are_packed_on_the_cpu_in_fp32_only(monkeypatch):
+    """On the CPU in fp32 the weight of every plain nn.Linear among the layers' projections and the head is packed
+    (the step-by-step tests above run through them); none under autocast, with oneDNN turned off, with bf16
+    weights; the LoRA layers of a peft model are left to their module call, its other projections packed."""
+    model = qwen2()
+    calls = []
+    pack = llama_decoder.packed_linear
+    monkeypatch.setattr(llama_decoder, "packed_linear", lambda *args: calls.append(args[0]) or pack(*args))
+    decoder_logits(model, *left_padded([3, 5], SMALL["vocab_size"]), 2, torch.zeros(4, 2, dtype=torch.long))
+    assert len(calls) == 2 * 15 and len(set(calls)) == 15  # two steps, every packed layer once per step
+    projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+    layer_names = [
+        f"model.layers.{i}.{kind}.{name}"
+        for i in range(2)
+        for kind, name in [("self_attn", p) for p in projections[:4]] + [("mlp", p) for p in projections[4:]]
+    ]
+    assert packed_names(model) == sorted(layer_names + ["lm_head"])
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        assert packed_names(model) == []
+    monkeypatch.setattr(
+        torch.backends.mkldnn, "enabled", False
+    )  # (the switch torch.backends.mkldnn.flags sets)
+    assert packed_names(model) == []
+    monkeypatch.undo()
+    assert packed_names(qwen2().to(torch.bfloat16)) == []
+    adapted = lora(qwen2(), targets=("q_proj", "down_proj"))
+    assert packed_names(adapted) == sorted(
+        f"base_model.model.{name}"
+        for name in layer_names + ["lm_head"]
+        if not name.endswith(("q_proj", "down_proj"))
+    )
+
+
+@torch.no_grad()
+def test_each_decoder_packs_the_weights_as_they_are_when_it_starts():
+    """The weights change at every optimizer step: a decoder made after a change decodes with the new weights."""
+    model = qwen2()
+    ids, mask = left_padded([4, 6], SMALL["vocab_size"])
+    continuation = torch.randint(SMALL["vocab_size"], (4, 3), generator=torch.Generator().manual_seed(9))
+    before = decoder_logits(model, ids, mask, 2, continuation)
+    for param in model.parameters():
+        param.mul_(1.1)
+    after = decoder_logits(model, ids, mask, 2, continuation)
+    assert not torch.allclose(before, after, atol=1e-3)
+    torch.testing.assert_close(after, forward_logits(model, ids, mask, 2, continuation), atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("do_sample", [True, False], ids=["sampled", "greedy"])
