@@ -105,6 +105,7 @@ def main() -> None:
         eos: torch.Tensor,
         suppress_eos: bool = False,
         generator: torch.Generator | None = None,
+        draw: torch.Tensor | None = None,  # the inverse-CDF draw's uniforms: multinomial draws its own
     ) -> torch.Tensor:
         scores = comarl.engines.sampling_scores(logits, params, eos, suppress_eos)
         return torch.multinomial(scores.softmax(dim=-1), num_samples=1, generator=generator).squeeze(1)
@@ -150,7 +151,7 @@ def main() -> None:
             "generate: + LlamaDecoder instead of the model's forward": torch.no_grad()(
                 own_loop_shared_llama_decoder
             ),
-            "generate: + its weights packed once per call (the engine now)": torch.no_grad()(
+            "generate: + its weights packed (the engine now)": torch.no_grad()(
                 own_loop_shared_llama_decoder_packed
             ),
         }

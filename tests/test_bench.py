@@ -233,3 +233,43 @@ def test_comarl_and_floor_runners_train_the_workload_and_report_its_work(tmp_pat
             32 * agents,
             32 * 32 * agents,
         )
+
+
+@pytest.mark.slow
+def test_ablations_and_profile_scripts_run_on_the_workload(tmp_path):
+    """The two measuring scripts that no benchmark run calls still run with comarl's API: ablations.py prints every
+    variant's time for both step sizes, profile_comarl.py the trainer's phases (both broke unnoticed once)."""
+    from workload import build_workload
+
+    workload = str(build_workload(tmp_path / "workload"))
+    ablations = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "ablations.py"),
+            "--workload",
+            workload,
+            "--prompts",
+            "8",
+            "--repeats",
+            "1",
+        ],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert ablations.returncode == 0, ablations.stderr[-3000:]
+    rows = [line for line in ablations.stdout.splitlines() if line.startswith("  ")]
+    assert len(rows) == 2 * 8, (
+        ablations.stdout
+    )  # 6 generate and 2 update variants, at 1 and at 8 prompts per step
+    assert sum("(the engine now)" in row for row in rows) == 2
+    profile = subprocess.run(
+        [sys.executable, str(BENCHMARKS / "profile_comarl.py"), "--workload", workload, "--mode", "batched"]
+        + ["--prompts", "8"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert profile.returncode == 0, profile.stderr[-3000:]
+    assert "1 agent(s), mode batched: 1 steps" in profile.stdout
+    assert {"time/generate", "time/update"} <= {line.split()[0] for line in profile.stdout.splitlines()[1:]}
