@@ -114,7 +114,7 @@ class HFEngine:
     are cast once per call (autocast's cache), and decoding reads half the bytes.
 
     ``fast_decoding`` (default True): Llama, Qwen2 and Qwen3 models decode through comarl's own step,
-    :class:`~comarl.llama_decoder.LlamaDecoder` (the same logits; generation ~1.2x faster on a CPU);
+    :class:`~comarl.llama_decoder.LlamaDecoder` (the same logits; generation 1.25-1.5x faster on one CPU core);
     False: every model through its own forward.
     """
 
