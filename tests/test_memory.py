@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM
 
 import comarl.memory
 from comarl import ConfigError, MAGRPOConfig, MAGRPOTrainer, MAPPOConfig, MAPPOTrainer
+from comarl.llama_decoder import packed_weights
 from comarl.memory import (
     GIB,
     ModelSize,
@@ -75,7 +76,10 @@ def test_model_memory_counts_fp32_weights_gradients_adamw_and_reference_by_hand(
 
 def test_model_size_counts_without_loading_as_the_loaded_model_has(qwen_bpe):
     loaded = AutoModelForCausalLM.from_pretrained(qwen_bpe)
-    assert model_size(qwen_bpe) == ModelSize(*[sum(p.numel() for p in loaded.parameters())] * 2)
+    packed = sum(
+        w.numel() for w in packed_weights(loaded.eval()).values()
+    )  # what generating on the CPU packs
+    assert model_size(qwen_bpe) == ModelSize(*[sum(p.numel() for p in loaded.parameters())] * 2, packed)
     lora = model_size(qwen_bpe, (4, 8.0, "all-linear"))
     trainer = MAGRPOTrainer(
         model=qwen_bpe,
@@ -202,22 +206,30 @@ def plan_of(trainer_class, path, config, num_agents=2):
 def test_the_plan_follows_lora_shared_bases_frozen_agents_and_critics(qwen_bpe):
     full = model_size(qwen_bpe)
     plan, trainer = plan_of(MAGRPOTrainer, qwen_bpe, args(beta=0.1, frozen_agents=[1]))
-    assert plan["agent 0"].total == 20 * full.parameters and plan["agent 1"].total == 4 * full.parameters
+    # the frozen agent also holds the weights its CPU decode step packs, which no freed gradients make room for
+    assert plan["agent 0"].total == 20 * full.parameters
+    assert plan["agent 1"].total == 4 * full.parameters + 4 * full.packed
     assert trainer.references[0] is not None and trainer.references[1] is None  # as planned
 
     lora = model_size(qwen_bpe, (4, 32.0, "all-linear"))
+    assert (
+        lora.packed == trainer.team[0].model.lm_head.weight.numel()
+    )  # 'all-linear' leaves the LM head plain
+    packed = max(
+        0, 4 * lora.packed - 4 * lora.trainable
+    )  # the LM head's packed copy beyond the adapters' gradients
     plan, trainer = plan_of(MAGRPOTrainer, qwen_bpe, args(lora_r=4, lora_shared_base=True, beta=0.1))
     assert (
-        plan["agent 0"].total == 4 * lora.parameters + 12 * lora.trainable
+        plan["agent 0"].total == 4 * lora.parameters + 12 * lora.trainable + packed
     )  # the reference is the base: no copy
-    assert plan["agent 1"].total == 16 * lora.trainable
+    assert plan["agent 1"].total == 16 * lora.trainable + packed
     held = {p.data_ptr(): p.numel() for a in trainer.team for p in a.model.get_base_model().parameters()}
     assert sum(held.values()) == lora.parameters + lora.trainable  # one base and both adapters, as planned
 
     # a frozen agent on the shared base holds its own adapters (4 T), which the plan left out
     plan, trainer = plan_of(MAGRPOTrainer, qwen_bpe, args(lora_r=4, lora_shared_base=True, frozen_agents=[1]))
-    assert plan["agent 0"].total == 4 * lora.parameters + 12 * lora.trainable
-    assert plan["agent 1"].total == 4 * lora.trainable
+    assert plan["agent 0"].total == 4 * lora.parameters + 12 * lora.trainable + packed
+    assert plan["agent 1"].total == 4 * lora.trainable + 4 * lora.packed
 
     plan, _ = plan_of(MAGRPOTrainer, qwen_bpe, args(share_weights=True))
     assert plan["agent 0"].total == 16 * full.parameters and set(plan) == {"agent 0"}
@@ -293,6 +305,37 @@ def test_bf16_counts_the_weight_copies_autocast_keeps():
     assert model_memory("agent 0", "cpu", ModelSize(1000, 1000)).autocast == 0  # fp32
     # shard_weights: FSDP2 gathers whole weights that require gradients, and autocast caches whole casts
     assert model_memory("agent 0", "cpu", ModelSize(1000, 1000), weight_shards=2, bf16=True).autocast == 2000
+
+
+def test_weights_packed_for_cpu_generation_count_what_exceeds_the_freed_gradients():
+    """On the CPU in fp32 the decode step holds a packed copy of the projection weights (900 parameters here) while
+    it generates, after the optimizer step freed the gradients: a full fine-tune needs nothing more, a LoRA agent
+    the copy less its adapters' gradients, a frozen agent all of it; none under bf16, split, or off the CPU."""
+    full = model_memory("agent 0", "cpu", ModelSize(1000, 1000, 900), generates_on_cpu=True)
+    assert (full.packed, full.total) == (0, 16000)
+    lora = model_memory("agent 0", "cpu", ModelSize(1100, 100, 900), generates_on_cpu=True)
+    assert (lora.packed, lora.total) == (3600 - 400, 4400 + 400 + 800 + 3200)
+    frozen = model_memory("agent 1", "cpu", ModelSize(1000, 1000, 900), trains=False, generates_on_cpu=True)
+    assert (frozen.packed, frozen.total) == (3600, 4000 + 3600)
+    for settings in ({"bf16": True}, {"weight_shards": 2}, {"generates_on_cpu": False}):
+        kept = {"generates_on_cpu": True, **settings}
+        assert model_memory("agent 1", "cpu", ModelSize(1000, 1000, 900), trains=False, **kept).packed == 0
+    # two agents of one process generate in turn: the larger copy counts once
+    assert device_need([lora, frozen]) == 5600 + 4000 + 3600
+    message = "frozen: .*packed weights while generating 0.0"
+    with pytest.raises(ConfigError, match=message.replace("frozen", "agent 1")):
+        check_fits([lora, frozen], {"cpu": 1000}, [])
+
+
+def test_the_trainer_plans_packed_weights_for_agents_that_generate_on_the_cpu(qwen_bpe):
+    packed = model_size(qwen_bpe).packed
+    plan, _ = plan_of(MAGRPOTrainer, qwen_bpe, args(frozen_agents=[1]))
+    assert (plan["agent 0"].packed, plan["agent 1"].packed) == (
+        0,
+        4 * packed,
+    )  # the learner's gradients cover it
+    plan, _ = plan_of(MAGRPOTrainer, qwen_bpe, args(frozen_agents=[1], bf16=True))
+    assert plan["agent 1"].packed == 0
 
 
 def test_copies_held_while_a_model_runs_count_once_per_process_on_a_device():
@@ -423,15 +466,19 @@ def tiny_config_dir(path, tied):
 
 def test_model_size_counts_a_tiny_config_by_hand_with_and_without_its_lm_head(tmp_path):
     """A critic or reward model loads the bare backbone (lm_head=False): an untied LM head is not part of it, a tied
-    one is the embeddings; LoRA adds its adapters, which alone train."""
+    one is the embeddings; LoRA adds its adapters, which alone train. The decode step packs the weights of the plain
+    projections and the LM head (tied or not: the packed copy is its own), not a LoRA layer's; a backbone decodes
+    nothing."""
     # embeddings 100 x 8 = 800; q 8 x 8 + 8 = 72; k, v 8 x 4 + 4 = 36 each; o 8 x 8 = 64;
     # MLP 3 x 8 x 16 = 384; two layer norms 8 + 8, final norm 8: backbone 1416; an untied LM head adds 100 x 8 = 800
+    # packed: the weights q 64, k 32, v 32, o 64, MLP 384 and the LM head's 800 = 1376
     untied = tiny_config_dir(tmp_path / "untied", tied=False)
-    assert model_size(untied) == ModelSize(2216, 2216)
-    assert model_size(untied, lm_head=False) == ModelSize(1416, 1416)
-    assert model_size(untied, (2, 8.0, ["q_proj"])) == ModelSize(2216 + 32, 32)  # A 2 x 8 and B 8 x 2
+    assert model_size(untied) == ModelSize(2216, 2216, 1376)
+    assert model_size(untied, lm_head=False) == ModelSize(1416, 1416, 0)
+    assert model_size(untied, (2, 8.0, ["q_proj"])) == ModelSize(2216 + 32, 32, 1376 - 64)  # A 2 x 8, B 8 x 2
     tied = tiny_config_dir(tmp_path / "tied", tied=True)
-    assert model_size(tied) == model_size(tied, lm_head=False) == ModelSize(1416, 1416)
+    assert model_size(tied) == ModelSize(1416, 1416, 1376)
+    assert model_size(tied, lm_head=False) == ModelSize(1416, 1416, 0)
 
 
 def test_lora_target_modules_that_match_nothing_stop_the_count(tmp_path):

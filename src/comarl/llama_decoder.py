@@ -150,6 +150,16 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tenso
     return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
+def packable_layers(model: Any) -> list[torch.nn.Linear]:
+    """The layers whose weights :func:`packed_weights` packs: every plain ``nn.Linear`` among ``model``'s decoder
+    projections and head (a LoRA or quantized layer is called as its module instead)."""
+    return [
+        module
+        for name, module in model.named_modules()
+        if name.split(".")[-1] in PROJECTIONS and type(module) is torch.nn.Linear
+    ]
+
+
 def packed_weights(model: Any) -> dict[torch.nn.Linear, torch.Tensor]:
     """oneDNN's packed copy of the weight of every plain ``nn.Linear`` among ``model``'s decoder projections and
     head, for :func:`packed_linear`; empty where the products would not be the forward's: off the CPU, weights
@@ -165,11 +175,7 @@ def packed_weights(model: Any) -> dict[torch.nn.Linear, torch.Tensor]:
         return {}
     if torch.is_autocast_enabled("cpu"):
         return {}
-    layers = [
-        module
-        for name, module in model.named_modules()
-        if name.split(".")[-1] in PROJECTIONS and type(module) is torch.nn.Linear
-    ]
+    layers = packable_layers(model)
     if any(layer.weight.device.type != "cpu" or layer.weight.dtype != torch.float32 for layer in layers):
         return {}
     with torch.no_grad():

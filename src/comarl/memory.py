@@ -27,10 +27,13 @@ GIB = 2**30
 
 @dataclass(frozen=True)
 class ModelSize:
-    """Parameter counts of one agent's model: all of them, and those the optimizer trains."""
+    """Parameter counts of one agent's model: all of them, those the optimizer trains, and those in the weights
+    that comarl's decode step packs while it generates on the CPU in fp32 (``llama_decoder.packable_layers``; 0
+    for a model it does not serve)."""
 
     parameters: int
     trainable: int
+    packed: int = 0
 
 
 @dataclass(frozen=True)
@@ -44,9 +47,12 @@ class ModelMemory:
     weights of a fully fine-tuned or frozen model, only the adapters of a LoRA one, whose frozen base is not
     cached: a training forward keeps its casts for the backward, like activations, which are not counted). A model
     split among D processes (``shard_weights``) holds each of these / D, except the autocast copies of its gathered
-    whole weights, and ``gathered = 4 P``: its whole weights, assembled for every generate call. These last two are
-    held only while the model runs: a device counts them once per process (:func:`device_need`), for the models of
-    one process on one device take turns. ``process``: the rank of the process that holds the model.
+    whole weights, and ``gathered = 4 P``: its whole weights, assembled for every generate call. ``packed``:
+    the packed copy of its projection weights that comarl's decode step holds while the model generates on the CPU
+    in fp32 (``llama_decoder.packed_weights``), less its gradients, which are freed then (0 for a fully fine-tuned
+    model). These last three are held only while the model runs: a device counts them once per process
+    (:func:`device_need`), for the models of one process on one device take turns. ``process``: the rank of the
+    process that holds the model.
     """
 
     name: str
@@ -57,11 +63,17 @@ class ModelMemory:
     reference: int
     gathered: int = 0
     autocast: int = 0
+    packed: int = 0
     process: int = 0
 
     @property
+    def transient(self) -> int:
+        """The bytes held only while the model runs: gathered weights, autocast casts, packed weights."""
+        return self.gathered + self.autocast + self.packed
+
+    @property
     def total(self) -> int:
-        return self.weights + self.gradients + self.optimizer + self.reference + self.gathered + self.autocast
+        return self.weights + self.gradients + self.optimizer + self.reference + self.transient
 
 
 def model_size(
@@ -111,7 +123,12 @@ def model_size(
         if lora is not None or (adapter is not None and lm_head)
         else parameters
     )
-    return ModelSize(parameters, trainable)
+    from comarl.llama_decoder import packable_layers, unsupported_reason
+
+    model.eval()  # as the engine generates
+    decodes = lm_head and unsupported_reason(model) is None
+    packed = sum(layer.weight.numel() for layer in packable_layers(model)) if decodes else 0
+    return ModelSize(parameters, trainable, packed)
 
 
 def model_memory(
@@ -125,13 +142,15 @@ def model_memory(
     optimizer_shards: int = 1,
     weight_shards: int = 1,
     bf16: bool = False,
+    generates_on_cpu: bool = False,
 ) -> ModelMemory:
     """The bytes of one model: see :class:`ModelMemory`. ``trains=False``: frozen (no gradients or optimizer
     state); ``owns_weights=False``: the base weights are another agent's (a shared LoRA base: only its own
     adapters count, trained or not); ``reference``: a frozen copy of the weights is kept;
     ``optimizer_shards``: the processes that share its AdamW state (``shard_optimizer``), each holding a share;
     ``weight_shards``: the processes among which the whole model is split (``shard_weights``); ``bf16``: its
-    forwards run under bf16 autocast."""
+    forwards run under bf16 autocast; ``generates_on_cpu``: it generates on the CPU, whose decode step packs its
+    weights in fp32 (not under bf16, nor for a split model, whose layers it leaves to the model's forward)."""
     trainable = size.trainable if trains else 0
     D = weight_shards
 
@@ -149,6 +168,10 @@ def model_memory(
         # size.trainable: the weights that require gradients, trained or not (a frozen agent's still do). Not
         # divided among shards: FSDP2 gathers whole weights that require gradients, and autocast caches their casts.
         autocast=2 * size.trainable if bf16 else 0,
+        # Generation comes after the optimizer step has freed the gradients: the packed copy needs only what exceeds them.
+        packed=max(0, 4 * size.packed - share(4 * trainable))
+        if generates_on_cpu and not bf16 and D == 1
+        else 0,
     )
 
 
@@ -205,12 +228,12 @@ def free_memory(device: str) -> int | None:
 
 def device_need(models: Sequence[ModelMemory]) -> int:
     """The bytes the ``models`` on one device need at once: every model's static memory, and per process the largest
-    of its models' copies held only while a model runs (gathered weights, autocast casts): the agents of one process
+    of its models' copies held only while a model runs (gathered weights, autocast casts, packed weights): the agents of one process
     on one device take turns; those of different processes run at the same time."""
     largest: dict[int, int] = {}
     for m in models:
-        largest[m.process] = max(largest.get(m.process, 0), m.gathered + m.autocast)
-    return sum(m.total - m.gathered - m.autocast for m in models) + sum(largest.values())
+        largest[m.process] = max(largest.get(m.process, 0), m.transient)
+    return sum(m.total - m.transient for m in models) + sum(largest.values())
 
 
 def by_device(plan: Sequence[ModelMemory]) -> dict[str, list[ModelMemory]]:
@@ -248,6 +271,7 @@ def check_fits(plan: Sequence[ModelMemory], free: dict[str, int | None], fixes: 
             f"AdamW states {m.optimizer / GIB:.1f}, KL reference {m.reference / GIB:.1f}"
             + (f", whole weights while generating {m.gathered / GIB:.1f}" if m.gathered else "")
             + (f", bf16 autocast copies {m.autocast / GIB:.1f}" if m.autocast else "")
+            + (f", packed weights while generating {m.packed / GIB:.1f}" if m.packed else "")
             for m in on_device
         )
         raise ConfigError(

@@ -418,6 +418,7 @@ class MAGRPOTrainer:
                     weight_shards=self.data.world_size if a.shard_weights else 1,
                     # one model in every role: its first user holds the casts if any role runs in bf16
                     bf16=any(x.bf16 for x in self.agent_args) if a.share_weights else self.agent_args[i].bf16,
+                    generates_on_cpu=torch.device(devices[i]).type == "cpu",
                 )
             )
         return plan
