@@ -855,8 +855,12 @@ def test_maac_team_learns_the_demo_game(team):
 
 @pytest.mark.slow
 def test_mappo_team_learns_the_demo_game(team):
-    """Greedy evaluation on all 36 items. lr 5e-4: at 1e-3 with two PPO epochs per batch the policies turn
-    deterministic within ~100 steps while some items are still miscoordinated, and greedy success stalls at 2/3."""
+    """Greedy evaluation on all 36 items: 0 of them before training, at least 27 after. lr 5e-4: at 1e-3 with two
+    PPO epochs per batch the policies turn deterministic within ~100 steps while some items are still
+    miscoordinated, and greedy success stalls at 2/3. Measured 2026-12-07 with seeds 0-3: 30, 36, 36 and 36 items
+    (seed 0 settles on one miscoordinated pair of items and stays at 30 through 250 steps); the threshold of 27
+    leaves that seed a margin against rounding-level changes of the trajectory (commit 636bac7, which passed the old
+    threshold of 0.9 in CI, gives 30 in a freshly set-up environment of the same day)."""
     trainer = _trainer(
         MAPPOTrainer,
         MAPPOConfig,
@@ -868,8 +872,9 @@ def test_mappo_team_learns_the_demo_game(team):
         num_iterations=2,
         num_mini_batches=1,
     )
+    assert trainer.evaluate()["eval/success"] == 0.0
     trainer.train()
-    assert trainer.evaluate()["eval/success"] >= 0.9
+    assert trainer.evaluate()["eval/success"] >= 27 / 36
 
 
 @pytest.mark.slow
