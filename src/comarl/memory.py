@@ -228,8 +228,8 @@ def free_memory(device: str) -> int | None:
 
 def device_need(models: Sequence[ModelMemory]) -> int:
     """The bytes the ``models`` on one device need at once: every model's static memory, and per process the largest
-    of its models' copies held only while a model runs (gathered weights, autocast casts, packed weights): the agents of one process
-    on one device take turns; those of different processes run at the same time."""
+    of its models' copies held only while a model runs (gathered weights, autocast casts, packed weights): the
+    agents of one process on one device take turns; those of different processes run at the same time."""
     largest: dict[int, int] = {}
     for m in models:
         largest[m.process] = max(largest.get(m.process, 0), m.transient)
