@@ -175,7 +175,8 @@ def packed_names(model) -> list[str]:
 def test_plain_projections_are_packed_on_the_cpu_in_fp32_only(monkeypatch):
     """On the CPU in fp32 the weight of every plain nn.Linear among the layers' projections and the head is packed
     (the step-by-step tests above run through them); none under autocast, with oneDNN turned off, with bf16
-    weights; the LoRA layers of a peft model are left to their module call, its other projections packed."""
+    weights, on an Arm CPU without ACL; the LoRA layers of a peft model are left to their module call, its other
+    projections packed."""
     model = qwen2()
     calls = []
     pack = llama_decoder.packed_linear
@@ -197,6 +198,11 @@ def test_plain_projections_are_packed_on_the_cpu_in_fp32_only(monkeypatch):
     assert packed_names(model) == []
     monkeypatch.undo()
     assert packed_names(qwen2().to(torch.bfloat16)) == []
+    monkeypatch.setattr(
+        llama_decoder.platform, "machine", lambda: "arm64"
+    )  # an Arm CPU without ACL's kernels
+    assert not torch.ops.mkldnn._is_mkldnn_acl_supported() and packed_names(model) == []
+    monkeypatch.undo()
     adapted = lora(qwen2(), targets=("q_proj", "down_proj"))
     assert packed_names(adapted) == sorted(
         f"base_model.model.{name}"

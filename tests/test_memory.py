@@ -464,7 +464,7 @@ def tiny_config_dir(path, tied):
     return str(path)
 
 
-def test_model_size_counts_a_tiny_config_by_hand_with_and_without_its_lm_head(tmp_path):
+def test_model_size_counts_a_tiny_config_by_hand_with_and_without_its_lm_head(tmp_path, monkeypatch):
     """A critic or reward model loads the bare backbone (lm_head=False): an untied LM head is not part of it, a tied
     one is the embeddings; LoRA adds its adapters, which alone train. The decode step packs the weights of the plain
     projections and the LM head (tied or not: the packed copy is its own), not a LoRA layer's; a backbone decodes
@@ -479,6 +479,8 @@ def test_model_size_counts_a_tiny_config_by_hand_with_and_without_its_lm_head(tm
     tied = tiny_config_dir(tmp_path / "tied", tied=True)
     assert model_size(tied) == ModelSize(1416, 1416, 1376)
     assert model_size(tied, lm_head=False) == ModelSize(1416, 1416, 0)
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)  # no packing on this machine: nothing packed
+    assert model_size(untied) == ModelSize(2216, 2216, 0)
 
 
 def test_lora_target_modules_that_match_nothing_stop_the_count(tmp_path):

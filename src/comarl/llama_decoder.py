@@ -14,6 +14,7 @@ by weights packed for oneDNN once per generate call (:func:`packed_weights`).
 
 from __future__ import annotations
 
+import platform
 import sys
 from typing import Any
 
@@ -160,20 +161,27 @@ def packable_layers(model: Any) -> list[torch.nn.Linear]:
     ]
 
 
+def cpu_packing_available() -> bool:
+    """Whether this machine's oneDNN packs weights for a fast fp32 product: available and turned on
+    (``torch.backends.mkldnn.flags(enabled=False)`` turns it off), on an x86-64 CPU or an Arm one with the Compute
+    Library (ACL) built in, as ``torch.compile`` decides; elsewhere oneDNN falls back to reference kernels."""
+    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
+        return False
+    return platform.machine().lower() in {"x86_64", "amd64"} or torch.ops.mkldnn._is_mkldnn_acl_supported()
+
+
 def packed_weights(model: Any) -> dict[torch.nn.Linear, torch.Tensor]:
     """oneDNN's packed copy of the weight of every plain ``nn.Linear`` among ``model``'s decoder projections and
-    head, for :func:`packed_linear`; empty where the products would not be the forward's: off the CPU, weights
-    not fp32, under autocast (where ``F.linear`` computes in the autocast dtype), or oneDNN unavailable or turned
-    off (``torch.backends.mkldnn.flags(enabled=False)``).
+    head, for :func:`packed_linear`; empty where the products would not be the forward's or would be slower: off
+    the CPU, weights not fp32, under autocast (where ``F.linear`` computes in the autocast dtype), or without
+    :func:`cpu_packing_available`.
 
     Why: for a few rows, oneDNN's product from a weight packed in advance beats MKL's from the row-major weight
     (4 x 256 -> 1024: ~42 against ~80 us on one core), and a weight packed once per generate call serves every
     step of it: generation 1.2x faster at 4 rows, 1.15x at 32 (docs/benchmarks.md). The copy is made per call
     because the weights change at every optimizer step. ``torch.compile`` packs frozen CPU linears with the same
     operators (inductor's ``mkldnn_fusion``)."""
-    if not (torch.backends.mkldnn.is_available() and torch.backends.mkldnn.enabled):
-        return {}
-    if torch.is_autocast_enabled("cpu"):
+    if torch.is_autocast_enabled("cpu") or not cpu_packing_available():
         return {}
     layers = packable_layers(model)
     if any(layer.weight.device.type != "cpu" or layer.weight.dtype != torch.float32 for layer in layers):

@@ -29,7 +29,7 @@ GIB = 2**30
 class ModelSize:
     """Parameter counts of one agent's model: all of them, those the optimizer trains, and those in the weights
     that comarl's decode step packs while it generates on the CPU in fp32 (``llama_decoder.packable_layers``; 0
-    for a model it does not serve)."""
+    for a model it does not serve, or where this machine's CPU does not pack)."""
 
     parameters: int
     trainable: int
@@ -123,10 +123,10 @@ def model_size(
         if lora is not None or (adapter is not None and lm_head)
         else parameters
     )
-    from comarl.llama_decoder import packable_layers, unsupported_reason
+    from comarl.llama_decoder import cpu_packing_available, packable_layers, unsupported_reason
 
     model.eval()  # as the engine generates
-    decodes = lm_head and unsupported_reason(model) is None
+    decodes = lm_head and cpu_packing_available() and unsupported_reason(model) is None
     packed = sum(layer.weight.numel() for layer in packable_layers(model)) if decodes else 0
     return ModelSize(parameters, trainable, packed)
 
