@@ -192,15 +192,13 @@ def test_plain_projections_are_packed_on_the_cpu_in_fp32_only(monkeypatch):
     assert packed_names(model) == sorted(layer_names + ["lm_head"])
     with torch.autocast("cpu", dtype=torch.bfloat16):
         assert packed_names(model) == []
-    monkeypatch.setattr(
-        torch.backends.mkldnn, "enabled", False
-    )  # (the switch torch.backends.mkldnn.flags sets)
+    # oneDNN turned off (the switch that torch.backends.mkldnn.flags sets)
+    monkeypatch.setattr(torch.backends.mkldnn, "enabled", False)
     assert packed_names(model) == []
     monkeypatch.undo()
     assert packed_names(qwen2().to(torch.bfloat16)) == []
-    monkeypatch.setattr(
-        llama_decoder.platform, "machine", lambda: "arm64"
-    )  # an Arm CPU without ACL's kernels
+    # an Arm CPU without ACL's kernels
+    monkeypatch.setattr(llama_decoder.platform, "machine", lambda: "arm64")
     assert not torch.ops.mkldnn._is_mkldnn_acl_supported() and packed_names(model) == []
     monkeypatch.undo()
     adapted = lora(qwen2(), targets=("q_proj", "down_proj"))
