@@ -377,8 +377,11 @@ def run_case(
     prompts: int | None,
     timeout: float,
     device: str,
+    extra_args: Sequence[str] = (),
+    extra_env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """Run one case in a fresh process and return its RESULT line as a dict."""
+    """Run one case in a fresh process and return its RESULT line as a dict (``extra_args`` added to the runner's
+    command line, ``extra_env`` to its environment)."""
     launcher = [str(python)]
     if case.library == "comarl-ap":
         launcher += ["-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={case.agents}"]
@@ -401,6 +404,7 @@ def run_case(
         command += ["--prompts", str(prompts)]
     if case.library == "comarl-ap":
         command.append("--agent-parallel")
+    command += list(extra_args)
     env = {
         **os.environ,
         "OMP_NUM_THREADS": str(threads),
@@ -409,6 +413,7 @@ def run_case(
         "WANDB_MODE": "disabled",
         "HF_HUB_OFFLINE": "1",
         "PYTHONWARNINGS": "ignore",
+        **(extra_env or {}),
     }
     done = subprocess.run(command, capture_output=True, text=True, timeout=timeout, env=env, cwd=HERE)
     lines = [line for line in done.stdout.splitlines() if line.startswith(RESULT_PREFIX)]

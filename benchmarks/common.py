@@ -60,6 +60,12 @@ def runner_args(description: str) -> argparse.Namespace:
         action="store_true",
         help="comarl and TRL: bf16 autocast (bf16=True) instead of the workload's fp32; not what the targets compare",
     )
+    parser.add_argument(
+        "--glibc-malloc",
+        action="store_true",
+        help="comarl and the floor: leave glibc's malloc settings as they are (keep_freed_memory=False); the "
+        "peers always run with them (or with MALLOC_* environment variables set by the caller)",
+    )
     args = parser.parse_args()
     # Same intra-op threads for every library; set before torch is imported anywhere.
     os.environ["OMP_NUM_THREADS"] = str(args.threads)

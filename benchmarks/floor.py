@@ -7,6 +7,8 @@ Per step and per agent, the same algorithm as comarl's trainer, written out with
   takes for this Qwen2 model; ``--plain-decoding``: the model's own forward), EOS masked
   (``min_new_tokens = max_new_tokens``), each token drawn by inverse CDF (cheaper than ``torch.multinomial``);
 - the shared reward and group-normalised advantages;
+- malloc keeps freed memory for the next step's tensors (``comarl.memory.keep_freed_memory``, as comarl's
+  trainer does on the CPU; ``--glibc-malloc``: glibc's defaults);
 - update: the distinct prompts (all but their last token) run once with grad, their KV cache repeated to
   the G rows, then last prompt token + completion per row; token log-probs, a token-mean
   policy-gradient loss, gradient clipping at 1.0 and a fused AdamW step (weight decay 0).
@@ -128,6 +130,11 @@ def main() -> None:
     started = time.perf_counter()
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from comarl.memory import keep_freed_memory
+
+    if args.device == "cpu" and not args.glibc_malloc:
+        keep_freed_memory()  # malloc set as comarl's trainer sets it: the overhead measured is the code's
 
     prompts = [item["prompt"] for item in load_prompts(args.workload, args.prompts)]
     per_step = min(PROMPTS_PER_STEP[args.mode], len(prompts))

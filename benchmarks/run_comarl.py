@@ -45,6 +45,7 @@ def build_trainer(args: Any, prompts: list[dict[str, str]]) -> Any:
         agent_devices=args.device,
         agent_parallel=args.agent_parallel,
         bf16=args.bf16,
+        keep_freed_memory=not args.glibc_malloc,
     )
     trainer = MAGRPOTrainer(
         model=model_path(args.workload),

@@ -237,8 +237,9 @@ def test_comarl_and_floor_runners_train_the_workload_and_report_its_work(tmp_pat
 
 @pytest.mark.slow
 def test_ablations_and_profile_scripts_run_on_the_workload(tmp_path):
-    """The two measuring scripts that no benchmark run calls still run with comarl's API: ablations.py prints every
-    variant's time for both step sizes, profile_comarl.py the trainer's phases (both broke unnoticed once)."""
+    """The measuring scripts that no benchmark run calls still run with comarl's API: ablations.py prints every
+    variant's time for both step sizes, profile_comarl.py the trainer's phases (both broke unnoticed once), and
+    malloc_ablation.py comarl with and without keep_freed_memory."""
     from workload import build_workload
 
     workload = str(build_workload(tmp_path / "workload"))
@@ -272,3 +273,19 @@ def test_ablations_and_profile_scripts_run_on_the_workload(tmp_path):
     assert profile.returncode == 0, profile.stderr[-3000:]
     assert "1 agent(s), mode batched: 1 steps" in profile.stdout
     assert {"time/generate", "time/update"} <= {line.split()[0] for line in profile.stdout.splitlines()[1:]}
+    malloc = subprocess.run(
+        [
+            sys.executable,
+            str(BENCHMARKS / "malloc_ablation.py"),
+            "--workload",
+            workload,
+            "--libraries",
+            "comarl",
+        ]
+        + ["--modes", "batched", "--prompts", "8", "--repeats", "1"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert malloc.returncode == 0, malloc.stderr[-3000:]
+    assert "comarl: x" in malloc.stdout and "comarl --glibc-malloc" in malloc.stdout, malloc.stdout

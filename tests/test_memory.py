@@ -4,7 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import socket
+import subprocess
+import sys
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -13,6 +16,7 @@ import torch
 from transformers import AutoModelForCausalLM
 
 import comarl.memory
+import comarl.trainers.magrpo
 from comarl import ConfigError, MAGRPOConfig, MAGRPOTrainer, MAPPOConfig, MAPPOTrainer
 from comarl.llama_decoder import packed_weights
 from comarl.memory import (
@@ -23,6 +27,7 @@ from comarl.memory import (
     device_identity,
     device_need,
     free_memory,
+    keep_freed_memory,
     model_memory,
     model_size,
     sharing_devices,
@@ -548,3 +553,83 @@ def test_a_gpu_is_identified_across_processes_by_its_uuid(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_properties", lambda device: SimpleNamespace(uuid="GPU-1234"))
     assert device_identity("cuda:1") == "gpu GPU-1234"
+
+
+# A fresh process allocates and frees a 24 MiB block through glibc's malloc and reports, from mallinfo2, the bytes
+# that came from mmap while it lived and the bytes the heap still holds once it is freed.
+MALLOC_PROBE = """
+import ctypes, sys
+from comarl.memory import keep_freed_memory
+
+class MallInfo2(ctypes.Structure):
+    _fields_ = [(name, ctypes.c_size_t) for name in
+                ("arena", "ordblks", "smblks", "hblks", "hblkhd", "usmblks", "fsmblks", "uordblks", "fordblks",
+                 "keepcost")]
+
+libc = ctypes.CDLL(None)
+libc.malloc.restype, libc.malloc.argtypes = ctypes.c_void_p, [ctypes.c_size_t]
+libc.free.argtypes = [ctypes.c_void_p]
+libc.mallinfo2.restype = MallInfo2
+if sys.argv[1] == "kept":
+    assert keep_freed_memory()
+before = libc.mallinfo2()
+block = libc.malloc(24 * 2**20)
+during = libc.mallinfo2()
+libc.free(block)
+after = libc.mallinfo2()
+print(during.hblkhd - before.hblkhd, after.arena - before.arena)
+"""
+
+
+def _glibc() -> bool:
+    try:
+        return (os.confstr("CS_GNU_LIBC_VERSION") or "").startswith("glibc")
+    except (ValueError, OSError):
+        return False
+
+
+@pytest.mark.skipif(not _glibc(), reason="keep_freed_memory sets glibc's malloc; elsewhere it does nothing")
+def test_keep_freed_memory_serves_blocks_from_the_heap_and_keeps_them_when_freed():
+    def probe(mode: str) -> tuple[int, int]:
+        run = subprocess.run(
+            [sys.executable, "-c", MALLOC_PROBE, mode], capture_output=True, text=True, check=True
+        )
+        mmapped, held = map(int, run.stdout.split())
+        return mmapped, held
+
+    # glibc's default: a block above 128 KiB gets pages of its own (mmap), unmapped when freed.
+    mmapped, held = probe("default")
+    assert mmapped >= 24 * 2**20 and held < 2**20
+    # Kept: the block comes from the heap (below the 32 MiB mmap threshold), and the heap keeps its pages once it
+    # is freed (below the 1 GiB trim threshold), for the next block to reuse without page faults.
+    mmapped, held = probe("kept")
+    # (Most of it: the heap may have had some free space at its top before.)
+    assert mmapped == 0 and held > 16 * 2**20
+
+
+def test_keep_freed_memory_does_nothing_without_glibc(monkeypatch):
+    def no_such_name(name):
+        raise ValueError(f"unrecognized configuration name {name!r}")
+
+    def no_libc(*args, **kwargs):
+        raise AssertionError("mallopt called without glibc")
+
+    monkeypatch.setattr(comarl.memory.os, "confstr", no_such_name)
+    monkeypatch.setattr(comarl.memory.ctypes, "CDLL", no_libc)
+    assert keep_freed_memory() is False
+    monkeypatch.setattr(comarl.memory.os, "confstr", lambda name: "musl libc")
+    assert keep_freed_memory() is False
+
+
+@pytest.mark.parametrize("keep", [True, False])
+def test_the_trainer_keeps_freed_memory_when_an_agent_trains_on_the_cpu(qwen_bpe, monkeypatch, keep):
+    calls = []
+    monkeypatch.setattr(comarl.trainers.magrpo, "keep_freed_memory", lambda: calls.append(1) or True)
+    MAGRPOTrainer(
+        model=qwen_bpe,
+        num_agents=2,
+        train_dataset=DATA,
+        reward_func=reward,
+        args=args(keep_freed_memory=keep),
+    )
+    assert calls == ([1] if keep else [])

@@ -66,6 +66,7 @@ from comarl.memory import (
     check_fits,
     device_identity,
     free_memory,
+    keep_freed_memory,
     model_memory,
     model_size,
     sharing_devices,
@@ -314,6 +315,8 @@ class MAGRPOTrainer:
             agent.bf16 = self.agent_args[i].bf16  # generation and scoring in the agent's precision
         self.engine = HFEngine()
         distinct = {str(self.team[i].device) for i in self.local}
+        if args.keep_freed_memory and any(self.team[i].device.type == "cpu" for i in self.local):
+            keep_freed_memory()  # a CPU step's tensors then reuse the last step's pages (docs/benchmarks.md)
         # Agents on separate accelerators generate and update concurrently; on one device they take turns.
         self.pool = (
             ThreadPoolExecutor(max_workers=n)
