@@ -416,8 +416,8 @@ class MAGRPOConfig:
     keep_freed_memory: bool = _help(
         "Where an agent trains on the CPU and the C library is glibc: keep the memory that freed tensors leave in the "
         "process for the next step's (malloc's mmap threshold 32 MiB, trim threshold 1 GiB) instead of taking fresh "
-        "pages from the OS at every step: ~200 page faults per step instead of 5,000-20,000, a peer-mode step 5-8% faster, the "
-        "same peak memory. Process-wide once set. See docs/benchmarks.md.",
+        "pages from the OS at every step: ~200 page faults per step instead of 5,000-20,000, a peer-mode step 5-8% "
+        "faster, the same peak memory. Process-wide once set. See docs/memory.md.",
         default=True,
     )
 
