@@ -3,6 +3,8 @@ samples through ``sample_completions``, and the models it must leave to their ow
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import peft
 import pytest
 import torch
@@ -22,6 +24,18 @@ from transformers import (
 from comarl import llama_decoder
 from comarl.engines import HFEngine, SamplingParams, sample_completions
 from comarl.llama_decoder import LlamaDecoder, packed_weights, unsupported_reason
+
+# RoPE types: four fixed by position, then 'dynamic', its Llama 3 variant, 'longrope', and a per-layer-type dict.
+ROPE_TYPES = [
+    "default",
+    "linear",
+    "llama3",
+    "yarn",
+    "dynamic",
+    "llama3_dynamic",
+    "longrope",
+    {"full": "default"},
+]
 
 SMALL = {
     "vocab_size": 97,
@@ -150,6 +164,52 @@ def test_a_dynamic_rope_rescales_step_by_step_as_in_the_forward():
     expected = forward_logits(model, ids, mask, 2, continuation)
     got = decoder_logits(model, ids, mask, 2, continuation)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize(
+    ("rope_parameters", "calls"),
+    [
+        ({"rope_type": "default", "rope_theta": 10000.0}, 1),
+        ({"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0}, 5),
+    ],
+    ids=["default", "dynamic"],
+)
+@torch.no_grad()
+def test_rotary_cos_and_sin_are_made_once_per_call_unless_the_rope_is_dynamic(
+    monkeypatch, rope_parameters, calls
+):
+    """A RoPE fixed by position gives the decoder the cos and sin of all its steps in one call of rotary_emb, at its
+    first step; a 'dynamic' one is asked at every step. The logits are the forward's either way."""
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**SMALL, rope_parameters=rope_parameters)).eval()
+    ids, mask = left_padded([5, 3], model.config.vocab_size)
+    continuation = torch.randint(model.config.vocab_size, (4, 5), generator=torch.Generator().manual_seed(5))
+    expected = forward_logits(model, ids, mask, 2, continuation)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    cache = DynamicCache(config=model.config)
+    first = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
+    decoder = LlamaDecoder(model, cache, mask, 2, continuation.shape[1])
+    rotary_emb, asked = model.model.rotary_emb, []
+    forward = rotary_emb.forward
+    monkeypatch.setattr(
+        rotary_emb, "forward", lambda x, position_ids: asked.append(1) or forward(x, position_ids)
+    )
+    steps = [first.logits[:, -1].repeat_interleave(2, 0)]
+    steps += [decoder.next_logits(continuation[:, t]) for t in range(continuation.shape[1])]
+    assert len(asked) == calls
+    torch.testing.assert_close(torch.stack(steps, 1), expected, atol=2e-5, rtol=1e-5)
+
+
+def test_which_rope_types_are_fixed_by_position():
+    fixed = [llama_decoder.rope_fixed_by_position(SimpleNamespace(rope_type=kind)) for kind in ROPE_TYPES]
+    assert fixed == [True, True, True, True, False, False, False, False]
+
+
+def test_rotate_is_rotate_half_exactly():
+    x, cos, sin = torch.randn(3, 2, 1, 8), torch.randn(3, 1, 1, 8), torch.randn(3, 1, 1, 8)
+    x1, x2 = x.chunk(2, dim=-1)
+    expected = x * cos + torch.cat((-x2, x1), dim=-1) * sin  # transformers' apply_rotary_pos_emb
+    assert torch.equal(llama_decoder.rotate(x, cos, llama_decoder.signed_sin(sin)), expected)
 
 
 @torch.no_grad()

@@ -145,10 +145,24 @@ def embed(layer: Any, token_ids: torch.Tensor) -> torch.Tensor:
     return layer(token_ids)
 
 
-def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotary embedding ``x cos + rotate_half(x) sin`` with ``rotate_half([x1, x2]) = [-x2, x1]``."""
-    x1, x2 = x.chunk(2, dim=-1)
-    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """Rotary embedding ``x cos + rotate_half(x) sin`` with ``rotate_half([x1, x2]) = [-x2, x1]``, computed as
+    ``x cos + [x2, x1] [-sin1, sin2]`` (:func:`signed_sin`): one roll instead of a chunk, a negation and a cat, and
+    the same numbers, since negating is exact."""
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+def signed_sin(sin: torch.Tensor) -> torch.Tensor:
+    """``[-sin1, sin2]`` from ``sin = [sin1, sin2]`` (halves of the last dimension), for :func:`rotate`."""
+    sin1, sin2 = sin.chunk(2, dim=-1)
+    return torch.cat((-sin1, sin2), dim=-1)
+
+
+def rope_fixed_by_position(rotary_emb: Any) -> bool:
+    """Whether ``rotary_emb`` gives each position the same cos and sin whatever else it is asked for: every RoPE
+    type but 'dynamic' ones and 'longrope', which rescale by the largest position of the call."""
+    rope_type = getattr(rotary_emb, "rope_type", None)
+    return isinstance(rope_type, str) and "dynamic" not in rope_type and rope_type != "longrope"
 
 
 def packable_layers(model: Any) -> list[torch.nn.Linear]:
@@ -225,20 +239,38 @@ class LlamaDecoder:
         self.keep = keep.repeat_interleave(G, dim=0)[:, None, None, :]
         last = (prompt_mask.sum(dim=1, keepdim=True) - 1).clamp(min=0)
         self.first_position = last.repeat_interleave(G, dim=0) + 1  # [rows, 1]
+        self.max_new_tokens = T
+        # cos and sin [rows, 1, T, head_dim] of every step, made at the first (from its hidden state's dtype), where
+        # they depend on the position alone; a 'dynamic' RoPE gets them per step, as in the forward.
+        self.rotary: tuple[torch.Tensor, torch.Tensor] | None = None
 
     def linear(self, layer: Any, x: torch.Tensor) -> torch.Tensor:
         """``layer``'s projection of ``x``, from its packed weight where :func:`packed_weights` made one."""
         packed = self.packed.get(layer)
         return linear(layer, x) if packed is None else packed_linear(layer, packed, x)
 
+    def rotary_embedding(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """This step's cos and signed sin (:func:`rotate`) ``[rows, 1, 1, head_dim]``, from the model's ``rotary_emb``
+        at the rows' positions and ``x``'s dtype: taken from those of every step, made once at the first, where
+        :func:`rope_fixed_by_position`; else made at every step, as the forward does (a 'dynamic' RoPE rescales by
+        the largest position)."""
+        rotary_emb, t = self.model.model.rotary_emb, self.step
+        if not rope_fixed_by_position(rotary_emb):
+            cos, sin = rotary_emb(x, self.first_position + t)
+            return cos[:, None], signed_sin(sin[:, None])
+        if self.rotary is None:
+            positions = self.first_position + torch.arange(self.max_new_tokens, device=x.device)  # [rows, T]
+            cos, sin = rotary_emb(x, positions)
+            self.rotary = cos[:, None], signed_sin(sin[:, None])
+        cos, sin = self.rotary
+        return cos[:, :, t : t + 1], sin[:, :, t : t + 1]
+
     @torch.no_grad()
     def next_logits(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Logits ``[rows, V]`` for the token after ``token_ids[rows]``, the tokens chosen at this step."""
         base, rows, n = self.model.model, self.rows, self.prompt_length + self.step + 1
         x = embed(base.embed_tokens, token_ids)[:, None]  # [rows, 1, hidden]
-        # Computed per step, as the model's forward does (a 'dynamic' RoPE rescales by the largest position).
-        cos, sin = base.rotary_emb(x, self.first_position + self.step)
-        cos, sin = cos[:, None], sin[:, None]  # [rows, 1, 1, head_dim]
+        cos, sin = self.rotary_embedding(x)  # [rows, 1, 1, head_dim]
         for i, layer in enumerate(self.layers):
             attention, mlp = layer.self_attn, layer.mlp
             h = rms_norm(x, layer.input_layernorm)
