@@ -6,7 +6,8 @@ For one epoch's prompts (in steps of 1 or 8 prompts, G = 4 samples each, 32 new 
   prompt repeated G times), comarl's own decode loop on the repeated prompts, the decode loop with
   the prompt run once per group (drawing with torch.multinomial), with the inverse-CDF draw, and with
   comarl's own decode step (``LlamaDecoder``) instead of the model's forward, and with that step's weights
-  packed for oneDNN once per generate call (the engine now);
+  packed for oneDNN once per generate call (the engine now), and, as a candidate, packed for MKL's packed GEMM
+  instead (whether oneDNN's packing pays depends on the machine's state: docs/benchmarks.md);
 - the training forward + backward of the log-probs: one forward over prompt+completion per row,
   and the shared-prompt forward (the prompt once per group; the agent now).
 
@@ -99,6 +100,26 @@ def main() -> None:
     def own_loop_shared_llama_decoder_packed(ids: torch.Tensor, mask: torch.Tensor) -> None:
         own_loop_shared(ids, mask, fast=True)
 
+    def own_loop_shared_llama_decoder_mkl_packed(ids: torch.Tensor, mask: torch.Tensor) -> None:
+        """A candidate: MKL's packed GEMM (cblas_sgemm_pack, inductor's choice for fp32 CPU linears) instead of
+        oneDNN's packed product; each weight packed at its first product of the call, for that call's rows."""
+        packing, product = comarl.llama_decoder.packed_weights, comarl.llama_decoder.packed_linear
+
+        def mkl_product(layer: torch.nn.Linear, holder: list, x: torch.Tensor) -> torch.Tensor:
+            rows = x.numel() // x.shape[-1]
+            if not holder:
+                holder.append(torch.ops.mkl._mkl_reorder_linear_weight(layer.weight, rows))
+            return torch.ops.mkl._mkl_linear(x, holder[0], layer.weight, layer.bias, rows)
+
+        comarl.llama_decoder.packed_weights = lambda model: {
+            layer: [] for layer in comarl.llama_decoder.packable_layers(model)
+        }
+        comarl.llama_decoder.packed_linear = mkl_product
+        try:
+            own_loop_shared(ids, mask, fast=True)
+        finally:
+            comarl.llama_decoder.packed_weights, comarl.llama_decoder.packed_linear = packing, product
+
     def multinomial_draw(
         logits: torch.Tensor,
         params: SamplingParams,
@@ -153,6 +174,9 @@ def main() -> None:
             ),
             "generate: + its weights packed (the engine now)": torch.no_grad()(
                 own_loop_shared_llama_decoder_packed
+            ),
+            "generate: + MKL's packed GEMM instead (a candidate)": torch.no_grad()(
+                own_loop_shared_llama_decoder_mkl_packed
             ),
         }
         variants: dict[str, Callable[[], object]] = {
