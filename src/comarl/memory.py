@@ -247,9 +247,10 @@ def keep_freed_memory() -> bool:
     4 KiB: 5,000 faults per step in the benchmark's peer mode, 12,000-22,000 in batched mode. With the mmap threshold
     at glibc's maximum (32 MiB) and the trim threshold at 1 GiB (``mallopt``, what the environment variables
     ``MALLOC_MMAP_THRESHOLD_`` and ``MALLOC_TRIM_THRESHOLD_`` set at start-up), blocks up to 32 MiB come from the heap
-    and stay there once freed: ~200 faults per step, a peer-mode step 5-8 % faster (docs/benchmarks.md). Memory the process
-    keeps is memory it used at its peak, so the peak resident size does not grow. Process-wide, for the rest of the
-    process (malloc has no per-caller setting); larger blocks keep their own pages as before.
+    and stay there once freed: ~200 faults per step, a peer-mode step 5-8 % faster (docs/benchmarks.md). The memory
+    kept is memory the process has used, so its peak resident size stays what it was (the same on the benchmark).
+    Process-wide, for the rest of the process (malloc has no per-caller setting); larger blocks keep their own pages
+    as before.
     """
     try:
         libc_version = os.confstr("CS_GNU_LIBC_VERSION")
