@@ -369,6 +369,72 @@ def process_threads(case: Case, threads: int) -> int:
     return max(1, threads // case.agents) if case.library == "comarl-ap" else threads
 
 
+# Timed in a fresh process before and after the runs, one thread: what on this machine moved the ratios between runs
+# (docs/benchmarks.md, "Earlier runs"): MKL's plain and oneDNN's packed small-row products, and a page fault.
+PROBE = """
+import json, resource, statistics, time, torch
+import torch.nn.functional as F
+torch.set_num_threads(1)
+
+def per_call(fn, calls=300, rounds=7):
+    for _ in range(50):
+        fn()
+    times = []
+    for _ in range(rounds):
+        start = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        times.append((time.perf_counter() - start) / calls * 1e6)
+    return round(statistics.median(times), 1)
+
+w, x4, x32 = torch.randn(1024, 256), torch.randn(4, 256), torch.randn(32, 256)
+result = {"mkl_4_rows_us": per_call(lambda: F.linear(x4, w)), "mkl_32_rows_us": per_call(lambda: F.linear(x32, w))}
+if torch.backends.mkldnn.is_available():
+    packed = torch.ops.mkldnn._reorder_linear_weight(w)
+    result["onednn_packed_4_rows_us"] = per_call(
+        lambda: torch.ops.mkldnn._linear_pointwise(x4, packed, None, "none", [], "")
+    )
+faults = []
+for _ in range(5):
+    before, start = resource.getrusage(resource.RUSAGE_SELF).ru_minflt, time.perf_counter()
+    block = torch.empty(16 * 2**20)  # 64 MiB: above glibc's largest mmap threshold, so fresh pages every time
+    block.fill_(1.0)
+    first = time.perf_counter() - start
+    start = time.perf_counter()
+    block.fill_(2.0)
+    again = time.perf_counter() - start
+    faults.append((first - again) / max(1, resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before) * 1e6)
+    del block
+result["page_fault_us"] = round(statistics.median(faults), 2)
+print(json.dumps(result))
+"""
+PROBE_NAMES = {
+    "mkl_4_rows_us": "MKL product 4 x 256 -> 1024",
+    "onednn_packed_4_rows_us": "oneDNN packed, the same",
+    "mkl_32_rows_us": "MKL product 32 x 256 -> 1024",
+    "page_fault_us": "page fault",
+}
+
+
+def probe_machine(python: Path) -> dict[str, float]:
+    """Time :data:`PROBE` with ``python`` in a fresh one-thread process: µs per small product and per page fault."""
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    done = subprocess.run([str(python), "-c", PROBE], capture_output=True, text=True, timeout=300, env=env)
+    if done.returncode != 0:
+        raise RuntimeError(f"machine probe: exit code {done.returncode}:\n{done.stderr[-2000:]}")
+    return json.loads(done.stdout.splitlines()[-1])
+
+
+def probe_text(before: dict[str, float], after: dict[str, float]) -> str:
+    """One line for the tables: each probe's µs before and after the runs."""
+    parts = [
+        f"{label} {before[key]:g} / {after[key]:g} µs"
+        for key, label in PROBE_NAMES.items()
+        if key in before and key in after
+    ]
+    return "Machine probe, one core, before / after the runs: " + "; ".join(parts) + "."
+
+
 def run_case(
     case: Case,
     python: Path,
@@ -473,6 +539,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             runs = json.loads(path.read_text())["runs"]
         summary = summarize(runs)
         print(markdown(comparisons(summary), summary))
+        machine = {} if path.suffix == ".jsonl" else json.loads(path.read_text())["machine"]
+        if "probe_before" in machine:
+            print("\n" + probe_text(machine["probe_before"], machine["probe_after"]))
         return 0
     repeats = args.repeats or (1 if args.quick else 2)
     prompts = args.prompts or (8 if args.quick else None)
@@ -505,6 +574,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
         if c.library in libraries
     ]
+    probe_before = probe_machine(Path(sys.executable))
     stamp = datetime.datetime.now().strftime("%Y-%m-%d-%H%M") + ("-quick" if args.quick else "")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -532,9 +602,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             f"{result['peak_rss_mb']:6.0f} MiB",
             flush=True,
         )
+    probe_after = probe_machine(Path(sys.executable))
     summary = summarize(runs)
     rows = comparisons(summary)
-    table = markdown(rows, summary)
+    table = markdown(rows, summary) + "\n\n" + probe_text(probe_before, probe_after)
     record = {
         "date": stamp,
         "settings": {
@@ -549,6 +620,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             "platform": platform.platform(),
             "python": platform.python_version(),
             "gpu": _gpu_name() if args.device.startswith("cuda") else None,
+            "probe_before": probe_before,
+            "probe_after": probe_after,
         },
         "versions": versions,
         "summary": [{**asdict(c), **v} for c, v in summary.items()],

@@ -20,6 +20,8 @@ from bench import (  # noqa: E402
     comparisons,
     markdown,
     median,
+    probe_machine,
+    probe_text,
     process_threads,
     schedule,
     summarize,
@@ -209,6 +211,37 @@ def test_the_floor_samples_what_it_scores_and_its_log_probs_equal_a_per_row_forw
     ).logits[:, prompt_ids.shape[1] - 1 : -1]
     expected = torch.log_softmax(logits, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
     torch.testing.assert_close(logp, expected, atol=1e-5, rtol=0)
+
+
+def test_probe_text_gives_each_probe_before_and_after():
+    before = {
+        "mkl_4_rows_us": 80.0,
+        "onednn_packed_4_rows_us": 42.5,
+        "mkl_32_rows_us": 140.0,
+        "page_fault_us": 0.85,
+    }
+    after = {
+        "mkl_4_rows_us": 24.0,
+        "onednn_packed_4_rows_us": 40.0,
+        "mkl_32_rows_us": 141.5,
+        "page_fault_us": 2.0,
+    }
+    assert probe_text(before, after) == (
+        "Machine probe, one core, before / after the runs: MKL product 4 x 256 -> 1024 80 / 24 µs; oneDNN packed, "
+        "the same 42.5 / 40 µs; MKL product 32 x 256 -> 1024 140 / 141.5 µs; page fault 0.85 / 2 µs."
+    )
+    # A probe without oneDNN (a torch build without it) leaves that line out.
+    del before["onednn_packed_4_rows_us"]
+    assert "oneDNN" not in probe_text(before, after)
+
+
+def test_the_machine_probe_times_small_products_and_page_faults():
+    """bench.py records these before and after its runs: the machine's state, which moved the ratios between runs."""
+    probe = probe_machine(Path(sys.executable))
+    assert set(probe) == {"mkl_4_rows_us", "mkl_32_rows_us", "onednn_packed_4_rows_us", "page_fault_us"}
+    # Microseconds: a 4-row product of a 1 MiB weight and a page fault take more than nothing and less than 10 ms.
+    assert all(0 < value < 10_000 for value in probe.values()), probe
+    assert probe["mkl_32_rows_us"] > probe["mkl_4_rows_us"] / 2  # 8x the rows cost more than half as much
 
 
 @pytest.mark.slow
