@@ -190,9 +190,11 @@ def packed_weights(model: Any) -> dict[torch.nn.Linear, torch.Tensor]:
     the CPU, weights not fp32, under autocast (where ``F.linear`` computes in the autocast dtype), or without
     :func:`cpu_packing_available`.
 
-    Why: for a few rows, oneDNN's product from a weight packed in advance beats MKL's from the row-major weight
+    Why: for a few rows, oneDNN's product from a weight packed in advance beat MKL's from the row-major weight
     (4 x 256 -> 1024: ~42 against ~80 us on one core), and a weight packed once per generate call serves every
-    step of it: generation 1.2x faster at 4 rows, 1.15x at 32 (docs/benchmarks.md). The copy is made per call
+    step of it: generation 1.2x faster at 4 rows, 1.15x at 32. Where MKL's small-row product runs at its best
+    (24-30 us, seen on one evening of this project's VM) the packing costs instead (generation x0.81-0.86):
+    docs/benchmarks.md has both measurements. The copy is made per call
     because the weights change at every optimizer step. ``torch.compile`` packs frozen CPU linears with the same
     operators (inductor's ``mkldnn_fusion``)."""
     if torch.is_autocast_enabled("cpu") or not cpu_packing_available():
