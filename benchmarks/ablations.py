@@ -5,9 +5,10 @@ For one epoch's prompts (in steps of 1 or 8 prompts, G = 4 samples each, 32 new 
 - generation: ``model.generate`` as comarl called it before (one GenerationConfig per call, every
   prompt repeated G times), comarl's own decode loop on the repeated prompts, the decode loop with
   the prompt run once per group (drawing with torch.multinomial), with the inverse-CDF draw, and with
-  comarl's own decode step (``LlamaDecoder``) instead of the model's forward, and with that step's weights
-  packed for oneDNN once per generate call (the engine now), and, as a candidate, packed for MKL's packed GEMM
-  instead (whether oneDNN's packing pays depends on the machine's state: docs/benchmarks.md);
+  comarl's own decode step (``LlamaDecoder``) instead of the model's forward, with that step's weights
+  packed for oneDNN once per generate call always, and only where ``packing_pays`` times it faster (the engine
+  now: whether oneDNN's packing pays depends on the machine's state, docs/benchmarks.md), and, as a candidate,
+  packed for MKL's packed GEMM instead;
 - the training forward + backward of the log-probs: one forward over prompt+completion per row,
   and the shared-prompt forward (the prompt once per group; the agent now).
 
@@ -89,21 +90,26 @@ def main() -> None:
     def own_loop_shared(ids: torch.Tensor, mask: torch.Tensor, fast: bool = False) -> None:
         sample_completions(model, ids, mask, G, params, agent.eos_token_ids, pad, fast_decoding=fast)
 
-    def own_loop_shared_llama_decoder(ids: torch.Tensor, mask: torch.Tensor) -> None:
-        packing = comarl.llama_decoder.packed_weights
-        comarl.llama_decoder.packed_weights = lambda model: {}  # the step as it was before it packed weights
-        try:
-            own_loop_shared(ids, mask, fast=True)
-        finally:
-            comarl.llama_decoder.packed_weights = packing
+    def decoding_packed(packs: bool | None) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        """The decode step with its weights never packed (False), always (True), or where packing_pays times
+        it faster (None: the engine now)."""
 
-    def own_loop_shared_llama_decoder_packed(ids: torch.Tensor, mask: torch.Tensor) -> None:
-        own_loop_shared(ids, mask, fast=True)
+        def run(ids: torch.Tensor, mask: torch.Tensor) -> None:
+            timed_choice = comarl.llama_decoder.packing_pays
+            if packs is not None:
+                comarl.llama_decoder.packing_pays = lambda model, rows, steps: packs
+            try:
+                own_loop_shared(ids, mask, fast=True)
+            finally:
+                comarl.llama_decoder.packing_pays = timed_choice
+
+        return run
 
     def own_loop_shared_llama_decoder_mkl_packed(ids: torch.Tensor, mask: torch.Tensor) -> None:
         """A candidate: MKL's packed GEMM (cblas_sgemm_pack, inductor's choice for fp32 CPU linears) instead of
         oneDNN's packed product; each weight packed at its first product of the call, for that call's rows."""
         packing, product = comarl.llama_decoder.packed_weights, comarl.llama_decoder.packed_linear
+        timed_choice = comarl.llama_decoder.packing_pays
 
         def mkl_product(layer: torch.nn.Linear, holder: list, x: torch.Tensor) -> torch.Tensor:
             rows = x.numel() // x.shape[-1]
@@ -115,10 +121,12 @@ def main() -> None:
             layer: [] for layer in comarl.llama_decoder.packable_layers(model)
         }
         comarl.llama_decoder.packed_linear = mkl_product
+        comarl.llama_decoder.packing_pays = lambda model, rows, steps: True
         try:
             own_loop_shared(ids, mask, fast=True)
         finally:
             comarl.llama_decoder.packed_weights, comarl.llama_decoder.packed_linear = packing, product
+            comarl.llama_decoder.packing_pays = timed_choice
 
     def multinomial_draw(
         logits: torch.Tensor,
@@ -170,11 +178,10 @@ def main() -> None:
             ),
             "generate: + inverse-CDF draw": torch.no_grad()(own_loop_shared),
             "generate: + LlamaDecoder instead of the model's forward": torch.no_grad()(
-                own_loop_shared_llama_decoder
+                decoding_packed(False)
             ),
-            "generate: + its weights packed (the engine now)": torch.no_grad()(
-                own_loop_shared_llama_decoder_packed
-            ),
+            "generate: + its weights packed for oneDNN, always": torch.no_grad()(decoding_packed(True)),
+            "generate: + packed where timed faster (the engine now)": torch.no_grad()(decoding_packed(None)),
             "generate: + MKL's packed GEMM instead (a candidate)": torch.no_grad()(
                 own_loop_shared_llama_decoder_mkl_packed
             ),

@@ -3,6 +3,7 @@ samples through ``sample_completions``, and the models it must leave to their ow
 
 from __future__ import annotations
 
+import time
 from types import SimpleNamespace
 
 import peft
@@ -23,7 +24,14 @@ from transformers import (
 
 from comarl import llama_decoder
 from comarl.engines import HFEngine, SamplingParams, sample_completions
-from comarl.llama_decoder import LlamaDecoder, packed_weights, unsupported_reason
+from comarl.llama_decoder import (
+    LlamaDecoder,
+    packed_weights,
+    packing_pays,
+    packing_possible,
+    product_seconds,
+    unsupported_reason,
+)
 
 # RoPE types: four fixed by position, then 'dynamic', its Llama 3 variant, 'longrope', and a per-layer-type dict.
 ROPE_TYPES = [
@@ -46,6 +54,17 @@ SMALL = {
     "num_key_value_heads": 2,
     "max_position_embeddings": 64,
 }
+
+
+@pytest.fixture(autouse=True, params=["packed", "plain"])
+def packing(request, monkeypatch) -> bool:
+    """Every test here runs with the decoder's weights packed wherever they can be, and with the plain products:
+    which of the two a decoder uses is timed on the machine (``packing_pays``, tested on its own below)."""
+    packs = request.param == "packed"
+    monkeypatch.setattr(
+        llama_decoder, "packing_pays", lambda model, rows, steps: packs and packing_possible(model)
+    )
+    return packs
 
 
 def randomized(model):
@@ -232,7 +251,7 @@ def packed_names(model) -> list[str]:
 
 
 @torch.no_grad()
-def test_plain_projections_are_packed_on_the_cpu_in_fp32_only(monkeypatch):
+def test_plain_projections_are_packed_on_the_cpu_in_fp32_only(monkeypatch, packing):
     """On the CPU in fp32 the weight of every plain nn.Linear among the layers' projections and the head is packed
     (the step-by-step tests above run through them); none under autocast, with oneDNN turned off, with bf16
     weights, on an Arm CPU without ACL; the LoRA layers of a peft model are left to their module call, its other
@@ -242,7 +261,10 @@ def test_plain_projections_are_packed_on_the_cpu_in_fp32_only(monkeypatch):
     pack = llama_decoder.packed_linear
     monkeypatch.setattr(llama_decoder, "packed_linear", lambda *args: calls.append(args[0]) or pack(*args))
     decoder_logits(model, *left_padded([3, 5], SMALL["vocab_size"]), 2, torch.zeros(4, 2, dtype=torch.long))
-    assert len(calls) == 2 * 15 and len(set(calls)) == 15  # two steps, every packed layer once per step
+    if packing:
+        assert len(calls) == 2 * 15 and len(set(calls)) == 15  # two steps, every packed layer once per step
+    else:
+        assert calls == []  # packing_pays said no: every product plain
     projections = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
     layer_names = [
         f"model.layers.{i}.{kind}.{name}"
@@ -267,6 +289,76 @@ def test_plain_projections_are_packed_on_the_cpu_in_fp32_only(monkeypatch):
         for name in layer_names + ["lm_head"]
         if not name.endswith(("q_proj", "down_proj"))
     )
+
+
+def test_packing_pays_when_the_packing_and_the_packed_steps_beat_the_plain_steps(monkeypatch, packing):
+    """``packing + steps * packed < steps * plain``: with 3 ms plain, 2 ms packed and 10 ms to pack, 10 steps tie
+    (30 ms either way: plain), 11 steps pay (32 < 33 ms). The timing runs once per weight shapes and row count."""
+    timed = []
+    monkeypatch.setattr(llama_decoder, "PRODUCT_SECONDS", {})
+    monkeypatch.setattr(
+        llama_decoder, "product_seconds", lambda layers, rows: timed.append(rows) or (3.0, 2.0, 10.0)
+    )
+    model = qwen2()
+    assert not packing_pays(model, 4, 10)
+    assert packing_pays(model, 4, 11)
+    assert timed == [4]
+    assert packing_pays(model, 8, 11) and timed == [4, 8]
+    assert packing_pays(qwen3(), 8, 11) and timed == [4, 8, 8]  # other weight shapes
+    assert not packing_pays(model, 8, 0)  # a one-token call decodes no step
+
+
+def test_packing_is_not_timed_where_it_cannot_be_or_under_deterministic_algorithms(monkeypatch, packing):
+    """bf16 weights, oneDNN turned off: nothing to time. Under torch.use_deterministic_algorithms the products stay
+    the forward's own rather than follow a timing."""
+    monkeypatch.setattr(llama_decoder, "product_seconds", lambda layers, rows: pytest.fail("timed"))
+    monkeypatch.setattr(llama_decoder, "PRODUCT_SECONDS", {})
+    assert not packing_pays(qwen2().to(torch.bfloat16), 4, 31)
+    with monkeypatch.context() as off:
+        # the switch that torch.backends.mkldnn.flags sets
+        off.setattr(torch.backends.mkldnn, "enabled", False)
+        assert not packing_pays(qwen2(), 4, 31)
+    torch.use_deterministic_algorithms(True)
+    try:
+        assert not packing_pays(qwen2(), 4, 31)
+    finally:
+        torch.use_deterministic_algorithms(False)
+
+
+def test_product_seconds_times_both_products_and_the_packing_without_touching_the_random_stream(
+    monkeypatch, packing
+):
+    """(plain, packed, packing) seconds; a packed product slowed by 1 ms shows in the second alone."""
+    model = qwen2()
+    layers = llama_decoder.packable_layers(model)
+    weights = [layer.weight.clone() for layer in layers]
+    state = torch.get_rng_state()
+    seconds = product_seconds(layers, 6)
+    assert len(seconds) == 3 and all(0 < s < 1 for s in seconds)
+    assert torch.equal(torch.get_rng_state(), state)
+    assert all(torch.equal(layer.weight, weight) for layer, weight in zip(layers, weights))
+    pack = llama_decoder.packed_linear
+    monkeypatch.setattr(llama_decoder, "packed_linear", lambda *args: time.sleep(1e-3) or pack(*args))
+    plain, packed, _ = product_seconds(layers, 6)
+    assert packed > len(layers) * 1e-3 > plain
+
+
+@torch.no_grad()
+def test_a_decoder_asks_packing_pays_for_its_rows_and_steps(monkeypatch, packing):
+    """B * G rows and T - 1 steps (the first token comes from the prefill); its answer decides the products."""
+    asked, calls = [], []
+    monkeypatch.setattr(
+        llama_decoder, "packing_pays", lambda model, rows, steps: asked.append((rows, steps)) or packing
+    )
+    pack = llama_decoder.packed_linear
+    monkeypatch.setattr(llama_decoder, "packed_linear", lambda *args: calls.append(args[0]) or pack(*args))
+    model = qwen2()
+    ids, mask = left_padded([3, 5, 4], SMALL["vocab_size"])
+    continuation = torch.zeros(6, 4, dtype=torch.long)
+    got = decoder_logits(model, ids, mask, 2, continuation)
+    assert asked == [(6, 3)]  # the engine decodes T - 1 steps; this helper all T
+    assert len(calls) == (4 * 15 if packing else 0)
+    torch.testing.assert_close(got, forward_logits(model, ids, mask, 2, continuation), atol=2e-5, rtol=1e-5)
 
 
 @torch.no_grad()

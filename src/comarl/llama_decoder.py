@@ -9,13 +9,15 @@ It stands in for the forward only where :func:`unsupported_reason` finds nothing
 (FSDP shards, hooks, sliding-window layers, peft adapters other than LoRA, another architecture) decodes through
 its own forward. A projection that is not a plain ``nn.Linear`` (a LoRA layer, a quantized one) is called as the
 module it is, so it computes what it computes in the forward. On the CPU in fp32 the plain projections multiply
-by weights packed for oneDNN once per generate call (:func:`packed_weights`).
+by weights packed for oneDNN once per generate call (:func:`packed_weights`) where that is faster on this machine
+(:func:`packing_pays`).
 """
 
 from __future__ import annotations
 
 import platform
 import sys
+import time
 from typing import Any
 
 import torch
@@ -184,26 +186,80 @@ def cpu_packing_available() -> bool:
     return platform.machine().lower() in {"x86_64", "amd64"} or torch.ops.mkldnn._is_mkldnn_acl_supported()
 
 
+def packing_possible(model: Any) -> bool:
+    """Whether :func:`packed_weights` would pack ``model``'s weights: products that would be the forward's, on the
+    CPU, from fp32 weights, outside autocast (where ``F.linear`` computes in the autocast dtype), with
+    :func:`cpu_packing_available`."""
+    if torch.is_autocast_enabled("cpu") or not cpu_packing_available():
+        return False
+    layers = packable_layers(model)
+    return bool(layers) and all(
+        layer.weight.device.type == "cpu" and layer.weight.dtype == torch.float32 for layer in layers
+    )
+
+
 def packed_weights(model: Any) -> dict[torch.nn.Linear, torch.Tensor]:
     """oneDNN's packed copy of the weight of every plain ``nn.Linear`` among ``model``'s decoder projections and
-    head, for :func:`packed_linear`; empty where the products would not be the forward's or would be slower: off
-    the CPU, weights not fp32, under autocast (where ``F.linear`` computes in the autocast dtype), or without
-    :func:`cpu_packing_available`.
-
-    Why: for a few rows, oneDNN's product from a weight packed in advance beat MKL's from the row-major weight
-    (4 x 256 -> 1024: ~42 against ~80 us on one core), and a weight packed once per generate call serves every
-    step of it: generation 1.2x faster at 4 rows, 1.15x at 32. Where MKL's small-row product runs at its best
-    (24-30 us, seen on one evening of this project's VM) the packing costs instead (generation x0.81-0.86):
-    docs/benchmarks.md has both measurements. The copy is made per call
-    because the weights change at every optimizer step. ``torch.compile`` packs frozen CPU linears with the same
-    operators (inductor's ``mkldnn_fusion``)."""
-    if torch.is_autocast_enabled("cpu") or not cpu_packing_available():
-        return {}
-    layers = packable_layers(model)
-    if any(layer.weight.device.type != "cpu" or layer.weight.dtype != torch.float32 for layer in layers):
+    head, for :func:`packed_linear`; empty where not :func:`packing_possible`. The copy is made per generate call
+    because the weights change at every optimizer step; whether to make it is :func:`packing_pays`'s call.
+    ``torch.compile`` packs frozen CPU linears with the same operators (inductor's ``mkldnn_fusion``)."""
+    if not packing_possible(model):
         return {}
     with torch.no_grad():
-        return {layer: torch.ops.mkldnn._reorder_linear_weight(layer.weight) for layer in layers}
+        return {
+            layer: torch.ops.mkldnn._reorder_linear_weight(layer.weight) for layer in packable_layers(model)
+        }
+
+
+# Seconds of one pass over a model's packable layers, plain and packed, and of packing their weights, per
+# (weight shapes, rows): timed once per process by product_seconds, for packing_pays.
+PRODUCT_SECONDS: dict[tuple[Any, ...], tuple[float, float, float]] = {}
+
+
+def product_seconds(layers: list[torch.nn.Linear], rows: int) -> tuple[float, float, float]:
+    """Seconds of one product of ``rows`` rows through every layer of ``layers``, from the plain weights
+    (``F.linear``) and from packed ones (:func:`packed_linear`), and of packing the weights: the fastest of three
+    passes each after a first (interleaved, so a busy moment slows both) and the faster of two packings, with
+    inputs of 0.5 (torch's random stream is left alone)."""
+    inputs = {layer.in_features: torch.full((rows, 1, layer.in_features), 0.5) for layer in layers}
+    packing_seconds, plain, packed = [], [], []
+    with torch.no_grad():
+        for _ in range(2):
+            started = time.perf_counter()
+            packs = [torch.ops.mkldnn._reorder_linear_weight(layer.weight) for layer in layers]
+            packing_seconds.append(time.perf_counter() - started)
+        for _ in range(4):
+            started = time.perf_counter()
+            for layer in layers:
+                F.linear(inputs[layer.in_features], layer.weight, layer.bias)
+            plain.append(time.perf_counter() - started)
+            started = time.perf_counter()
+            for layer, pack in zip(layers, packs):
+                packed_linear(layer, pack, inputs[layer.in_features])
+            packed.append(time.perf_counter() - started)
+    return min(plain[1:]), min(packed[1:]), min(packing_seconds)
+
+
+def packing_pays(model: Any, rows: int, steps: int) -> bool:
+    """Whether decoding ``steps`` steps of ``rows`` rows is faster with ``model``'s weights packed
+    (:func:`packed_weights`) than with the plain product, on this machine: ``packing + steps * packed <
+    steps * plain``, from :func:`product_seconds`, timed at the first call for these weights' shapes and rows
+    and reused for the rest of the process. False where not :func:`packing_possible`, and under
+    ``torch.use_deterministic_algorithms``, where the products stay the forward's own rather than depend on a
+    timing (the two differ in the last bits, ~1e-6).
+
+    Why a timing: for a few rows, oneDNN's product from a packed weight took ~42 us (4 x 256 -> 1024, one core)
+    against MKL's ~80 us from the row-major weight on most days of this project's VM (generation 1.2x faster at
+    4 rows, 1.15x at 32), but MKL's took 24-30 us on others, where the packing costs (generation x0.81-0.86):
+    docs/benchmarks.md has both. A pass over the layers takes a few ms, once per process and row count."""
+    if torch.are_deterministic_algorithms_enabled() or not packing_possible(model):
+        return False
+    layers = packable_layers(model)
+    key = (tuple((tuple(layer.weight.shape), layer.bias is not None) for layer in layers), rows)
+    if key not in PRODUCT_SECONDS:
+        PRODUCT_SECONDS[key] = product_seconds(layers, rows)
+    plain, packed, packing = PRODUCT_SECONDS[key]
+    return packing + steps * packed < steps * plain
 
 
 def packed_linear(layer: torch.nn.Linear, packed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -225,9 +281,9 @@ class LlamaDecoder:
     ) -> None:
         self.model = model = causal_lm(model)
         self.layers = model.model.layers[: model.config.num_hidden_layers]
-        self.packed = packed_weights(model)
         G, T = num_generations, max_new_tokens
         B, P = prompt_mask.shape
+        self.packed = packed_weights(model) if packing_pays(model, B * G, T - 1) else {}
         self.rows, self.prompt_length, self.step = B * G, P, 0
         self.keys, self.values = [], []
         for layer in cache.layers:

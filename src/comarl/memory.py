@@ -32,8 +32,9 @@ GIB = 2**30
 @dataclass(frozen=True)
 class ModelSize:
     """Parameter counts of one agent's model: all of them, those the optimizer trains, and those in the weights
-    that comarl's decode step packs while it generates on the CPU in fp32 (``llama_decoder.packable_layers``; 0
-    for a model it does not serve, or where this machine's CPU does not pack)."""
+    that comarl's decode step may pack while it generates on the CPU in fp32 (``llama_decoder.packable_layers``;
+    0 for a model it does not serve, or where this machine's CPU does not pack). Counted whether or not packing
+    pays at the time (``llama_decoder.packing_pays``), so the plan holds either way."""
 
     parameters: int
     trainable: int
@@ -52,9 +53,9 @@ class ModelMemory:
     cached: a training forward keeps its casts for the backward, like activations, which are not counted). A model
     split among D processes (``shard_weights``) holds each of these / D, except the autocast copies of its gathered
     whole weights, and ``gathered = 4 P``: its whole weights, assembled for every generate call. ``packed``:
-    the packed copy of its projection weights that comarl's decode step holds while the model generates on the CPU
-    in fp32 (``llama_decoder.packed_weights``), less its gradients, which are freed then (0 for a fully fine-tuned
-    model). These last three are held only while the model runs: a device counts them once per process
+    the packed copy of its projection weights that comarl's decode step holds while the model generates on the
+    CPU in fp32 where packing pays (``llama_decoder.packed_weights``; counted either way), less its gradients,
+    which are freed then (0 for a fully fine-tuned model). These last three are held only while the model runs: a device counts them once per process
     (:func:`device_need`), for the models of one process on one device take turns. ``process``: the rank of the
     process that holds the model.
     """
