@@ -1,8 +1,7 @@
 """Where comarl's training step spends its time on the benchmark workload.
 
 Runs comarl's trainer step by step and prints the trainer's own phase timings (generate,
-environment, update) summed over the epoch; ``--torch`` adds torch.profiler's top operators.
-For Python-level stacks run it under py-spy::
+environment, update) summed over the epoch. For Python-level stacks run it under py-spy::
 
     py-spy record -r 200 -f raw -o profile.txt -- python benchmarks/profile_comarl.py --workload DIR --mode batched
 """

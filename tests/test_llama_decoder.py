@@ -29,7 +29,6 @@ from comarl.llama_decoder import (
     packed_weights,
     packing_pays,
     packing_possible,
-    product_seconds,
     unsupported_reason,
 )
 
@@ -291,56 +290,88 @@ def test_plain_projections_are_packed_on_the_cpu_in_fp32_only(monkeypatch, packi
     )
 
 
-def test_packing_pays_when_the_packing_and_the_packed_steps_beat_the_plain_steps(monkeypatch, packing):
-    """``packing + steps * packed < steps * plain``: with 3 ms plain, 2 ms packed and 10 ms to pack, 10 steps tie
-    (30 ms either way: plain), 11 steps pay (32 < 33 ms). The timing runs once per weight shapes and row count."""
-    timed = []
-    monkeypatch.setattr(llama_decoder, "PRODUCT_SECONDS", {})
-    monkeypatch.setattr(
-        llama_decoder, "product_seconds", lambda layers, rows: timed.append(rows) or (3.0, 2.0, 10.0)
-    )
+def test_packing_pays_from_the_trials_times(monkeypatch, packing):
+    """``packing + steps * packed < steps * plain`` from the trial's times for these weight shapes and rows: with
+    3 ms plain, 2 ms packed and 10 ms to pack, 10 steps tie (30 ms either way: plain), 11 steps pay (32 < 33 ms).
+    Without times: None (try) for a call of more than TRIAL_STEPS steps, False for a shorter one."""
     model = qwen2()
-    assert not packing_pays(model, 4, 10)
-    assert packing_pays(model, 4, 11)
-    assert timed == [4]
-    assert packing_pays(model, 8, 11) and timed == [4, 8]
-    assert packing_pays(qwen3(), 8, 11) and timed == [4, 8, 8]  # other weight shapes
-    assert not packing_pays(model, 8, 0)  # a one-token call decodes no step
+    monkeypatch.setattr(
+        llama_decoder, "STEP_SECONDS", {llama_decoder.packing_key(model, 4): (3.0, 2.0, 10.0)}
+    )
+    assert packing_pays(model, 4, 10) is False
+    assert packing_pays(model, 4, 11) is True
+    assert llama_decoder.TRIAL_STEPS == 8
+    assert packing_pays(model, 8, 9) is None  # other rows
+    assert packing_pays(model, 8, 8) is False
+    assert packing_pays(qwen3(), 4, 11) is None  # other weight shapes
 
 
-def test_packing_is_not_timed_where_it_cannot_be_or_under_deterministic_algorithms(monkeypatch, packing):
-    """bf16 weights, oneDNN turned off: nothing to time. Under torch.use_deterministic_algorithms the products stay
-    the forward's own rather than follow a timing."""
-    monkeypatch.setattr(llama_decoder, "product_seconds", lambda layers, rows: pytest.fail("timed"))
-    monkeypatch.setattr(llama_decoder, "PRODUCT_SECONDS", {})
-    assert not packing_pays(qwen2().to(torch.bfloat16), 4, 31)
+def test_packing_is_not_tried_where_it_cannot_be_or_under_deterministic_algorithms(monkeypatch, packing):
+    """bf16 weights, oneDNN turned off: nothing to pack. Under torch.use_deterministic_algorithms the products
+    stay the forward's own rather than follow a timing, whatever a trial found."""
+    model = qwen2()
+    monkeypatch.setattr(llama_decoder, "STEP_SECONDS", {llama_decoder.packing_key(model, 4): (3.0, 2.0, 1.0)})
+    assert packing_pays(model, 4, 31) is True
+    assert packing_pays(qwen2().to(torch.bfloat16), 4, 31) is False
     with monkeypatch.context() as off:
         # the switch that torch.backends.mkldnn.flags sets
         off.setattr(torch.backends.mkldnn, "enabled", False)
-        assert not packing_pays(qwen2(), 4, 31)
+        assert packing_pays(model, 4, 31) is False
     torch.use_deterministic_algorithms(True)
     try:
-        assert not packing_pays(qwen2(), 4, 31)
+        assert packing_pays(model, 4, 31) is False
+        assert packing_pays(model, 8, 31) is False
     finally:
         torch.use_deterministic_algorithms(False)
 
 
-def test_product_seconds_times_both_products_and_the_packing_without_touching_the_random_stream(
-    monkeypatch, packing
-):
-    """(plain, packed, packing) seconds; a packed product slowed by 1 ms shows in the second alone."""
+@pytest.mark.parametrize("slower", ["packed", "plain"])
+@torch.no_grad()
+def test_a_decoder_without_times_tries_both_ways_and_keeps_the_faster(monkeypatch, packing, slower):
+    """The first decoder long enough for a trial decodes its first step plain, packs, then times 4 plain and 4
+    packed steps in turn (steps 1-8), records the fastest of each and the packing, and keeps the faster products for
+    the rest of the call; the next decoder of the same size decodes as the record says, without a trial. A
+    product slowed by 0.3 ms makes its way the slower. The logits are the forward's throughout."""
+    monkeypatch.setattr(llama_decoder, "packing_pays", packing_pays)  # the real rule, not the fixture's
+    monkeypatch.setattr(llama_decoder, "STEP_SECONDS", {})
+    calls = []
+    pack, plain = llama_decoder.packed_linear, llama_decoder.linear
+
+    def slowed(product, slow):
+        return lambda *args: (time.sleep(3e-4) if slow else None) or product(*args)
+
+    monkeypatch.setattr(llama_decoder, "linear", slowed(plain, slower == "plain"))
+    monkeypatch.setattr(
+        llama_decoder,
+        "packed_linear",
+        lambda *args: calls.append(args[0]) or slowed(pack, slower == "packed")(*args),
+    )
     model = qwen2()
-    layers = llama_decoder.packable_layers(model)
-    weights = [layer.weight.clone() for layer in layers]
-    state = torch.get_rng_state()
-    seconds = product_seconds(layers, 6)
-    assert len(seconds) == 3 and all(0 < s < 1 for s in seconds)
-    assert torch.equal(torch.get_rng_state(), state)
-    assert all(torch.equal(layer.weight, weight) for layer, weight in zip(layers, weights))
-    pack = llama_decoder.packed_linear
-    monkeypatch.setattr(llama_decoder, "packed_linear", lambda *args: time.sleep(1e-3) or pack(*args))
-    plain, packed, _ = product_seconds(layers, 6)
-    assert packed > len(layers) * 1e-3 > plain
+    ids, mask = left_padded([3, 5], SMALL["vocab_size"])
+    short = torch.randint(SMALL["vocab_size"], (4, 5), generator=torch.Generator().manual_seed(1))
+    decoder_logits(model, ids, mask, 2, short)  # 4 steps after the prefill's token: too short for a trial
+    assert llama_decoder.STEP_SECONDS == {} and calls == []
+    continuation = torch.randint(SMALL["vocab_size"], (4, 12), generator=torch.Generator().manual_seed(2))
+    expected = forward_logits(model, ids, mask, 2, continuation)
+    torch.testing.assert_close(
+        decoder_logits(model, ids, mask, 2, continuation), expected, atol=2e-5, rtol=1e-5
+    )
+    ((key, (plain_seconds, packed_seconds, packing_seconds)),) = llama_decoder.STEP_SECONDS.items()
+    assert key == llama_decoder.packing_key(model, 4)
+    assert (
+        (packed_seconds > plain_seconds + 15 * 3e-4)
+        if slower == "packed"
+        else (plain_seconds > packed_seconds + 15 * 3e-4)
+    )
+    assert 0 < packing_seconds < 1
+    # 15 packed layers: 4 packed trial steps, then the call's last 3 steps (of 12) packed where plain is slower
+    assert len(calls) == 15 * (4 if slower == "packed" else 7)
+    calls.clear()
+    torch.testing.assert_close(
+        decoder_logits(model, ids, mask, 2, continuation), expected, atol=2e-5, rtol=1e-5
+    )
+    assert len(calls) == (0 if slower == "packed" else 15 * 12)
+    assert len(llama_decoder.STEP_SECONDS) == 1
 
 
 @torch.no_grad()

@@ -9,8 +9,8 @@ It stands in for the forward only where :func:`unsupported_reason` finds nothing
 (FSDP shards, hooks, sliding-window layers, peft adapters other than LoRA, another architecture) decodes through
 its own forward. A projection that is not a plain ``nn.Linear`` (a LoRA layer, a quantized one) is called as the
 module it is, so it computes what it computes in the forward. On the CPU in fp32 the plain projections multiply
-by weights packed for oneDNN once per generate call (:func:`packed_weights`) where that is faster on this machine
-(:func:`packing_pays`).
+by weights packed for oneDNN once per generate call (:func:`packed_weights`) where a trial of both ways on this
+machine found that faster (:func:`packing_pays`).
 """
 
 from __future__ import annotations
@@ -211,54 +211,40 @@ def packed_weights(model: Any) -> dict[torch.nn.Linear, torch.Tensor]:
         }
 
 
-# Seconds of one pass over a model's packable layers, plain and packed, and of packing their weights, per
-# (weight shapes, rows): timed once per process by product_seconds, for packing_pays.
-PRODUCT_SECONDS: dict[tuple[Any, ...], tuple[float, float, float]] = {}
+# Per (weight shapes, rows): seconds of one decode step with plain products and with packed ones, and of packing
+# the weights, timed by a process's first LlamaDecoder of that size that decodes long enough (its trial).
+STEP_SECONDS: dict[tuple[Any, ...], tuple[float, float, float]] = {}
+
+# The decode steps a trial times, after a first untimed one: half with plain products, half packed, alternating.
+TRIAL_STEPS = 8
 
 
-def product_seconds(layers: list[torch.nn.Linear], rows: int) -> tuple[float, float, float]:
-    """Seconds of one product of ``rows`` rows through every layer of ``layers``, from the plain weights
-    (``F.linear``) and from packed ones (:func:`packed_linear`), and of packing the weights: the fastest of three
-    passes each after a first (interleaved, so a busy moment slows both) and the faster of two packings, with
-    inputs of 0.5 (torch's random stream is left alone)."""
-    inputs = {layer.in_features: torch.full((rows, 1, layer.in_features), 0.5) for layer in layers}
-    packing_seconds, plain, packed = [], [], []
-    with torch.no_grad():
-        for _ in range(2):
-            started = time.perf_counter()
-            packs = [torch.ops.mkldnn._reorder_linear_weight(layer.weight) for layer in layers]
-            packing_seconds.append(time.perf_counter() - started)
-        for _ in range(4):
-            started = time.perf_counter()
-            for layer in layers:
-                F.linear(inputs[layer.in_features], layer.weight, layer.bias)
-            plain.append(time.perf_counter() - started)
-            started = time.perf_counter()
-            for layer, pack in zip(layers, packs):
-                packed_linear(layer, pack, inputs[layer.in_features])
-            packed.append(time.perf_counter() - started)
-    return min(plain[1:]), min(packed[1:]), min(packing_seconds)
+def packing_key(model: Any, rows: int) -> tuple[Any, ...]:
+    """What a packing trial's times hold for: the shapes (and biases) of ``model``'s packable weights, and ``rows``."""
+    layers = packable_layers(model)
+    return tuple((tuple(layer.weight.shape), layer.bias is not None) for layer in layers), rows
 
 
-def packing_pays(model: Any, rows: int, steps: int) -> bool:
-    """Whether decoding ``steps`` steps of ``rows`` rows is faster with ``model``'s weights packed
-    (:func:`packed_weights`) than with the plain product, on this machine: ``packing + steps * packed <
-    steps * plain``, from :func:`product_seconds`, timed at the first call for these weights' shapes and rows
-    and reused for the rest of the process. False where not :func:`packing_possible`, and under
-    ``torch.use_deterministic_algorithms``, where the products stay the forward's own rather than depend on a
-    timing (the two differ in the last bits, ~1e-6).
+def packing_pays(model: Any, rows: int, steps: int) -> bool | None:
+    """Whether a decoder of ``rows`` rows that decodes ``steps`` steps packs ``model``'s weights
+    (:func:`packed_weights`): ``packing + steps * packed < steps * plain``, from :data:`STEP_SECONDS`, the times of
+    this process's trial for these weights' shapes and rows. None where no trial was made and this call can make
+    one (more than :data:`TRIAL_STEPS` steps: :class:`LlamaDecoder` then times both ways in it). False where not
+    :func:`packing_possible`, for a call too short for a trial, and under ``torch.use_deterministic_algorithms``,
+    where the products stay the forward's own rather than follow a timing (the two differ in the last bits, ~1e-6).
 
     Why a timing: for a few rows, oneDNN's product from a packed weight took ~42 us (4 x 256 -> 1024, one core)
     against MKL's ~80 us from the row-major weight on most days of this project's VM (generation 1.2x faster at
     4 rows, 1.15x at 32), but MKL's took 24-30 us on others, where the packing costs (generation x0.81-0.86):
-    docs/benchmarks.md has both. A pass over the layers takes a few ms, once per process and row count."""
+    docs/benchmarks.md has both. Whole decode steps are timed, not the products alone: a pass over the products
+    by themselves showed a third of the difference the decode step showed (the step's other work shares the
+    caches)."""
     if torch.are_deterministic_algorithms_enabled() or not packing_possible(model):
         return False
-    layers = packable_layers(model)
-    key = (tuple((tuple(layer.weight.shape), layer.bias is not None) for layer in layers), rows)
-    if key not in PRODUCT_SECONDS:
-        PRODUCT_SECONDS[key] = product_seconds(layers, rows)
-    plain, packed, packing = PRODUCT_SECONDS[key]
+    seconds = STEP_SECONDS.get(packing_key(model, rows))
+    if seconds is None:
+        return None if steps > TRIAL_STEPS else False
+    plain, packed, packing = seconds
     return packing + steps * packed < steps * plain
 
 
@@ -283,7 +269,17 @@ class LlamaDecoder:
         self.layers = model.model.layers[: model.config.num_hidden_layers]
         G, T = num_generations, max_new_tokens
         B, P = prompt_mask.shape
-        self.packed = packed_weights(model) if packing_pays(model, B * G, T - 1) else {}
+        # Packed weights where this process's trial found them faster for these rows and T - 1 steps; else, where
+        # no trial was made yet, this call makes one (trial_step).
+        pays = packing_pays(model, B * G, T - 1)
+        self.packed = packed_weights(model) if pays else {}
+        self.trial_key = packing_key(model, B * G) if pays is None else None
+        self.trial_packs: dict[torch.nn.Linear, torch.Tensor] = {}
+        self.trial_seconds: tuple[list[float], list[float], list[float]] = (
+            [],
+            [],
+            [],
+        )  # plain, packed, packing
         self.rows, self.prompt_length, self.step = B * G, P, 0
         self.keys, self.values = [], []
         for layer in cache.layers:
@@ -326,6 +322,34 @@ class LlamaDecoder:
     @torch.no_grad()
     def next_logits(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Logits ``[rows, V]`` for the token after ``token_ids[rows]``, the tokens chosen at this step."""
+        if self.trial_key is not None:
+            return self.trial_step(token_ids)
+        return self.decode_step(token_ids)
+
+    def trial_step(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """A step of the packing trial (:func:`packing_pays`): the first plain and untimed (it warms the caches),
+        the packing timed before the second, then :data:`TRIAL_STEPS` steps each timed, plain and packed in turn.
+        After the last the times go to :data:`STEP_SECONDS` (the fastest step each way), and the call keeps
+        whichever products were faster."""
+        plain, packed, packing = self.trial_seconds
+        if self.step == 0:
+            return self.decode_step(token_ids)
+        if self.step == 1:
+            started = time.perf_counter()
+            self.trial_packs = packed_weights(self.model)
+            packing.append(time.perf_counter() - started)
+        self.packed = self.trial_packs if self.step % 2 == 0 else {}
+        started = time.perf_counter()
+        logits = self.decode_step(token_ids)
+        (packed if self.packed else plain).append(time.perf_counter() - started)
+        if self.step > TRIAL_STEPS:
+            STEP_SECONDS[self.trial_key] = min(plain), min(packed), packing[0]
+            self.packed = self.trial_packs if min(packed) < min(plain) else {}
+            self.trial_key, self.trial_packs = None, {}
+        return logits
+
+    def decode_step(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """:meth:`next_logits` through this step's products (:meth:`linear`)."""
         base, rows, n = self.model.model, self.rows, self.prompt_length + self.step + 1
         x = embed(base.embed_tokens, token_ids)[:, None]  # [rows, 1, hidden]
         cos, sin = self.rotary_embedding(x)  # [rows, 1, 1, head_dim]
