@@ -114,8 +114,8 @@ class HFEngine:
     are cast once per call (autocast's cache), and decoding reads half the bytes.
 
     ``fast_decoding`` (default True): Llama, Qwen2 and Qwen3 models decode through comarl's own step,
-    :class:`~comarl.llama_decoder.LlamaDecoder` (the same logits; generation 1.04-1.5x faster on one CPU core,
-    depending on the machine's state: docs/benchmarks.md);
+    :class:`~comarl.llama_decoder.LlamaDecoder` (the same logits; generation 1.3-1.5x faster on one CPU core in
+    both machine states measured: docs/benchmarks.md);
     False: every model through its own forward.
     """
 

@@ -237,8 +237,8 @@ def packing_pays(model: Any, rows: int, steps: int) -> bool | None:
     against MKL's ~80 us from the row-major weight on most days of this project's VM (generation 1.2x faster at
     4 rows, 1.15x at 32), but MKL's took 24-30 us on others, where the packing costs (generation x0.81-0.86):
     docs/benchmarks.md has both. Whole decode steps are timed, not the products alone: a pass over the products
-    by themselves showed a third of the difference the decode step showed (the step's other work shares the
-    caches)."""
+    by themselves showed a third to a half of the difference that decode steps showed (the step's other work
+    shares the caches)."""
     if torch.are_deterministic_algorithms_enabled() or not packing_possible(model):
         return False
     seconds = STEP_SECONDS.get(packing_key(model, rows))
@@ -275,11 +275,8 @@ class LlamaDecoder:
         self.packed = packed_weights(model) if pays else {}
         self.trial_key = packing_key(model, B * G) if pays is None else None
         self.trial_packs: dict[torch.nn.Linear, torch.Tensor] = {}
-        self.trial_seconds: tuple[list[float], list[float], list[float]] = (
-            [],
-            [],
-            [],
-        )  # plain, packed, packing
+        # The trial's step times with plain and with packed products, and its packing time.
+        self.trial_seconds: tuple[list[float], list[float], list[float]] = ([], [], [])
         self.rows, self.prompt_length, self.step = B * G, P, 0
         self.keys, self.values = [], []
         for layer in cache.layers:
@@ -328,22 +325,24 @@ class LlamaDecoder:
 
     def trial_step(self, token_ids: torch.Tensor) -> torch.Tensor:
         """A step of the packing trial (:func:`packing_pays`): the first plain and untimed (it warms the caches),
-        the packing timed before the second, then :data:`TRIAL_STEPS` steps each timed, plain and packed in turn.
-        After the last the times go to :data:`STEP_SECONDS` (the fastest step each way), and the call keeps
-        whichever products were faster."""
+        the packing timed twice before the second, then :data:`TRIAL_STEPS` steps each timed, plain and packed in
+        turn. After the last the times go to :data:`STEP_SECONDS` (the fastest step each way, the faster packing),
+        and the call keeps whichever products were faster."""
         plain, packed, packing = self.trial_seconds
         if self.step == 0:
             return self.decode_step(token_ids)
-        if self.step == 1:
-            started = time.perf_counter()
-            self.trial_packs = packed_weights(self.model)
-            packing.append(time.perf_counter() - started)
+        if self.step == 1:  # packed twice: a process's first packing also pays for its first pages of memory
+            for _ in range(2):
+                self.trial_packs = {}  # freed first, so that the second packing reuses the memory, as later calls do
+                started = time.perf_counter()
+                self.trial_packs = packed_weights(self.model)
+                packing.append(time.perf_counter() - started)
         self.packed = self.trial_packs if self.step % 2 == 0 else {}
         started = time.perf_counter()
         logits = self.decode_step(token_ids)
         (packed if self.packed else plain).append(time.perf_counter() - started)
         if self.step > TRIAL_STEPS:
-            STEP_SECONDS[self.trial_key] = min(plain), min(packed), packing[0]
+            STEP_SECONDS[self.trial_key] = min(plain), min(packed), min(packing)
             self.packed = self.trial_packs if min(packed) < min(plain) else {}
             self.trial_key, self.trial_packs = None, {}
         return logits
