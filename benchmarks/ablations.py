@@ -91,8 +91,8 @@ def main() -> None:
         sample_completions(model, ids, mask, G, params, agent.eos_token_ids, pad, fast_decoding=fast)
 
     def decoding_packed(packs: bool | None) -> Callable[[torch.Tensor, torch.Tensor], None]:
-        """The decode step with its weights never packed (False), always (True), or where packing_pays times
-        it faster (None: the engine now)."""
+        """The decode step with its weights never packed (False), always (True), or as packing_pays decides from
+        the trial of the first call (None: the engine now)."""
 
         def run(ids: torch.Tensor, mask: torch.Tensor) -> None:
             timed_choice = comarl.llama_decoder.packing_pays
@@ -181,7 +181,7 @@ def main() -> None:
                 decoding_packed(False)
             ),
             "generate: + its weights packed for oneDNN, always": torch.no_grad()(decoding_packed(True)),
-            "generate: + packed where timed faster (the engine now)": torch.no_grad()(decoding_packed(None)),
+            "generate: + packing decided by a trial (the engine now)": torch.no_grad()(decoding_packed(None)),
             "generate: + MKL's packed GEMM instead (a candidate)": torch.no_grad()(
                 own_loop_shared_llama_decoder_mkl_packed
             ),
