@@ -435,6 +435,29 @@ def probe_text(before: dict[str, float], after: dict[str, float]) -> str:
     return "Machine probe, one core, before / after the runs: " + "; ".join(parts) + "."
 
 
+def trials_text(runs: Sequence[dict[str, Any]]) -> str:
+    """One line for the tables: per row count, in how many of comarl's runs the decode step's packing trial chose
+    packed products, and the trials' median ms per step plain / packed and per packing ("" without trials)."""
+    by_rows: dict[int, list[dict[str, Any]]] = {}
+    for run in runs:
+        if run["library"] == "comarl":
+            for trial in run.get("decode_trials", []):
+                by_rows.setdefault(trial["rows"], []).append(trial)
+    if not by_rows:
+        return ""
+    parts = [
+        f"{rows} rows packed in {sum(t['packs'] for t in trials)} of {len(trials)} "
+        f"({median([t['plain_ms'] for t in trials]):.2f} / {median([t['packed_ms'] for t in trials]):.2f} ms, "
+        f"{median([t['packing_ms'] for t in trials]):.1f} ms)"
+        for rows, trials in sorted(by_rows.items())
+    ]
+    return (
+        "comarl's decode step, its packing trial in each run (median ms per step plain / packed, per packing): "
+        + "; ".join(parts)
+        + "."
+    )
+
+
 def run_case(
     case: Case,
     python: Path,
@@ -542,6 +565,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         machine = {} if path.suffix == ".jsonl" else json.loads(path.read_text())["machine"]
         if "probe_before" in machine:
             print("\n" + probe_text(machine["probe_before"], machine["probe_after"]))
+        if trials_text(runs):
+            print("\n" + trials_text(runs))
         return 0
     repeats = args.repeats or (1 if args.quick else 2)
     prompts = args.prompts or (8 if args.quick else None)
@@ -606,6 +631,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = summarize(runs)
     rows = comparisons(summary)
     table = markdown(rows, summary) + "\n\n" + probe_text(probe_before, probe_after)
+    if trials_text(runs):
+        table += "\n\n" + trials_text(runs)
     record = {
         "date": stamp,
         "settings": {

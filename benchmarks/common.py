@@ -143,6 +143,25 @@ def peak_gpu_mb() -> float | None:
     return torch.cuda.max_memory_allocated() / 2**20
 
 
+def decode_trials() -> list[dict[str, Any]]:
+    """What comarl's decode step found in this process's packing trials (``comarl.llama_decoder.STEP_SECONDS``):
+    per row count, ms per decode step with plain and with packed products, ms per packing, and whether a call of
+    the workload's length packs; empty where comarl's decoder was not used."""
+    decoder = sys.modules.get("comarl.llama_decoder")
+    if decoder is None:
+        return []
+    return [
+        {
+            "rows": rows,
+            "plain_ms": round(1e3 * seconds[0], 3),
+            "packed_ms": round(1e3 * seconds[1], 3),
+            "packing_ms": round(1e3 * seconds[2], 3),
+            "packs": decoder.packing_saves(seconds, NEW_TOKENS - 1),
+        }
+        for (_, rows), seconds in decoder.STEP_SECONDS.items()
+    ]
+
+
 def report(
     library: str,
     args: argparse.Namespace,
@@ -176,6 +195,7 @@ def report(
         "device": args.device,
         "peak_gpu_mb": peak_gpu_mb(),
         "python": sys.version.split()[0],
+        "decode_trials": decode_trials(),
         **extra,
     }
     print(RESULT_PREFIX + json.dumps(result), flush=True)

@@ -26,6 +26,7 @@ from bench import (  # noqa: E402
     schedule,
     summarize,
     targets,
+    trials_text,
 )
 
 
@@ -235,6 +236,23 @@ def test_probe_text_gives_each_probe_before_and_after():
     assert "oneDNN" not in probe_text(before, after)
 
 
+def test_trials_text_counts_comarls_runs_that_packed_per_row_count():
+    """Only comarl's runs count (the floor decodes with the same step); medians of their trials; no line without."""
+    trial = {"rows": 4, "plain_ms": 4.0, "packed_ms": 5.0, "packing_ms": 10.0, "packs": False}
+    runs = [
+        {"library": "comarl", "decode_trials": [trial]},
+        {"library": "comarl", "decode_trials": [{**trial, "plain_ms": 6.0, "packs": True}]},
+        {"library": "comarl", "decode_trials": [{**trial, "plain_ms": 4.5}, {**trial, "rows": 32}]},
+        {"library": "floor", "decode_trials": [{**trial, "packs": True}]},
+        {"library": "trl"},
+    ]
+    assert trials_text(runs) == (
+        "comarl's decode step, its packing trial in each run (median ms per step plain / packed, per packing): "
+        "4 rows packed in 1 of 3 (4.50 / 5.00 ms, 10.0 ms); 32 rows packed in 0 of 1 (4.00 / 5.00 ms, 10.0 ms)."
+    )
+    assert trials_text(runs[3:]) == ""
+
+
 def test_the_machine_probe_times_small_products_and_page_faults():
     """bench.py records these before and after its runs: the machine's state, which moved the ratios between runs."""
     probe = probe_machine(Path(sys.executable))
@@ -251,6 +269,8 @@ def test_comarl_and_floor_runners_train_the_workload_and_report_its_work(tmp_pat
     API, as run_comarl's generate counter did when the engines took seeds, fails here, not in `comarl bench`)."""
     from workload import build_workload
 
+    from comarl.llama_decoder import cpu_packing_available
+
     workload = build_workload(tmp_path / "workload")
     for script, agents in (("run_comarl.py", 2), ("floor.py", 1)):
         command = [sys.executable, str(BENCHMARKS / script), "--workload", str(workload), "--mode", "batched"]
@@ -266,6 +286,10 @@ def test_comarl_and_floor_runners_train_the_workload_and_report_its_work(tmp_pat
             32 * agents,
             32 * 32 * agents,
         )
+        if cpu_packing_available():  # the decode step's packing trial: once, at 8 prompts x G = 32 rows
+            (trial,) = result["decode_trials"]
+            assert trial["rows"] == 32 and trial["plain_ms"] > 0 and trial["packed_ms"] > 0
+            assert isinstance(trial["packs"], bool)
 
 
 @pytest.mark.slow

@@ -244,6 +244,12 @@ def packing_pays(model: Any, rows: int, steps: int) -> bool | None:
     seconds = STEP_SECONDS.get(packing_key(model, rows))
     if seconds is None:
         return None if steps > TRIAL_STEPS else False
+    return packing_saves(seconds, steps)
+
+
+def packing_saves(seconds: tuple[float, float, float], steps: int) -> bool:
+    """``packing + steps * packed < steps * plain`` for a trial's ``seconds`` ``(plain, packed, packing)``
+    (:data:`STEP_SECONDS`): whether packing makes ``steps`` decode steps faster."""
     plain, packed, packing = seconds
     return packing + steps * packed < steps * plain
 
