@@ -16,6 +16,8 @@ from transformers import (
     GPT2LMHeadModel,
     LlamaConfig,
     LlamaForCausalLM,
+    MistralConfig,
+    MistralForCausalLM,
     Qwen2Config,
     Qwen2ForCausalLM,
     Qwen3Config,
@@ -99,6 +101,14 @@ def llama(**overrides) -> LlamaForCausalLM:
     return randomized(LlamaForCausalLM(config))
 
 
+def mistral(**overrides) -> MistralForCausalLM:
+    """A random Mistral without a sliding window (as Mistral-7B-v0.3's config has it), a head size of its own."""
+    torch.manual_seed(3)
+    return randomized(
+        MistralForCausalLM(MistralConfig(**{**SMALL, "head_dim": 16, "sliding_window": None, **overrides}))
+    )
+
+
 def qwen2(**overrides) -> Qwen2ForCausalLM:
     torch.manual_seed(1)
     return randomized(Qwen2ForCausalLM(Qwen2Config(**SMALL, **overrides)))
@@ -153,12 +163,13 @@ def decoder_logits(model, ids, mask, G, continuation):
     return torch.stack(steps, 1)
 
 
-@pytest.mark.parametrize("build", [llama, qwen2, qwen3], ids=["llama", "qwen2", "qwen3"])
+@pytest.mark.parametrize("build", [llama, mistral, qwen2, qwen3], ids=["llama", "mistral", "qwen2", "qwen3"])
 @torch.no_grad()
 def test_decoder_logits_equal_the_model_forward_step_by_step(build):
     """Left-padded prompts of different lengths (one unpadded), G = 3 rows each, 6 teacher-forced steps: every
     step's logits equal the forward's, with the Llama's biases, own head size and llama3 RoPE scaling."""
     model = build()
+    assert unsupported_reason(model) is None  # the engine decodes it through the step
     ids, mask = left_padded([5, 9, 2], model.config.vocab_size)
     continuation = torch.randint(model.config.vocab_size, (9, 6), generator=torch.Generator().manual_seed(3))
     expected = forward_logits(model, ids, mask, 3, continuation)
@@ -446,7 +457,7 @@ def test_models_the_decoder_cannot_stand_in_for():
     gpt2 = GPT2LMHeadModel(GPT2Config(n_embd=32, n_layer=1, n_head=2, vocab_size=50))
     assert (
         unsupported_reason(gpt2)
-        == "GPT2LMHeadModel is not LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM"
+        == "GPT2LMHeadModel is not LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM"
     )
 
     class Custom(Qwen2ForCausalLM):
@@ -454,10 +465,14 @@ def test_models_the_decoder_cannot_stand_in_for():
 
     assert (
         unsupported_reason(Custom(Qwen2Config(**SMALL)))
-        == "Custom is not LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM"
+        == "Custom is not LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM"
     )
     sliding = qwen2(use_sliding_window=True, sliding_window=8, max_window_layers=1)
     assert unsupported_reason(sliding) == "sliding-window attention layers"
+    # MistralConfig's default window; its config has no layer types
+    assert (
+        unsupported_reason(mistral(sliding_window=4096)) == "sliding-window attention (sliding_window=4096)"
+    )
     dropout = qwen2(attention_dropout=0.1)
     assert unsupported_reason(dropout) is None  # in eval mode, as the engine runs it
     assert unsupported_reason(dropout.train()) == "attention dropout while training"

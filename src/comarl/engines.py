@@ -113,7 +113,7 @@ class HFEngine:
     bf16 autocast (CPU or CUDA), the precision the trainer then scores the samples in: the fp32 weights
     are cast once per call (autocast's cache), and decoding reads half the bytes.
 
-    ``fast_decoding`` (default True): Llama, Qwen2 and Qwen3 models decode through comarl's own step,
+    ``fast_decoding`` (default True): Llama, Mistral, Qwen2 and Qwen3 models decode through comarl's own step,
     :class:`~comarl.llama_decoder.LlamaDecoder` (the same logits; generation 1.3-1.5x faster on one CPU core in
     both machine states measured: docs/benchmarks.md);
     False: every model through its own forward.

@@ -1,4 +1,5 @@
-"""comarl's own decode step for Llama, Qwen2 and Qwen3 models: the model's next-token logits, without its per-step overhead.
+"""comarl's own decode step for Llama, Mistral, Qwen2 and Qwen3 models: the model's next-token logits, without its
+per-step overhead.
 
 Decoding a few rows at a time, ``model(input_ids=..., cache=...)`` spends a third of each step outside its
 matrix products: a causal mask built per step, the KV cache grown by ``cat``, module calls and shape checks
@@ -27,6 +28,7 @@ import torch.nn.functional as F
 def _architectures() -> dict[type, set[type]]:
     """The supported causal-LM classes, each with the exact module classes its model may hold."""
     from transformers.models.llama import modeling_llama as llama
+    from transformers.models.mistral import modeling_mistral as mistral
     from transformers.models.qwen2 import modeling_qwen2 as qwen2
     from transformers.models.qwen3 import modeling_qwen3 as qwen3
 
@@ -41,6 +43,16 @@ def _architectures() -> dict[type, set[type]]:
             llama.LlamaMLP,
             llama.LlamaRMSNorm,
             llama.LlamaRotaryEmbedding,
+        },
+        mistral.MistralForCausalLM: shared
+        | {
+            mistral.MistralForCausalLM,
+            mistral.MistralModel,
+            mistral.MistralDecoderLayer,
+            mistral.MistralAttention,
+            mistral.MistralMLP,
+            mistral.MistralRMSNorm,
+            mistral.MistralRotaryEmbedding,
         },
         qwen2.Qwen2ForCausalLM: shared
         | {
@@ -93,10 +105,11 @@ def causal_lm(model: Any) -> Any:
 def unsupported_reason(model: Any) -> str | None:
     """Why :class:`LlamaDecoder` cannot stand in for ``model``'s forward, or None when it can.
 
-    It can for a ``LlamaForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` (also inside a peft LoRA model) made of exactly
-    their own module classes but for the projections and embeddings (:data:`PROJECTIONS`, called as modules
-    unless plain ``nn.Linear`` / ``nn.Embedding``), without hooks, with full attention in every layer, no
-    attention dropout while training, and every weight on one device. A subclass, an FSDP-sharded layer or a
+    It can for a ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` (also
+    inside a peft LoRA model) made of exactly their own module classes but for the projections and embeddings
+    (:data:`PROJECTIONS`, called as modules unless plain ``nn.Linear`` / ``nn.Embedding``), without hooks, with
+    full attention in every layer (a Mistral with ``sliding_window`` unset: Mistral-7B-v0.3's config, not
+    ``MistralConfig``'s default 4096), no attention dropout while training, and every weight on one device. A subclass, an FSDP-sharded layer or a
     replaced norm is refused.
     """
     inner = causal_lm(model)
@@ -104,10 +117,17 @@ def unsupported_reason(model: Any) -> str | None:
         return f"{type(model).__name__} holds peft adapters other than LoRA"
     allowed = _architectures().get(type(inner))
     if allowed is None:
-        return f"{type(inner).__name__} is not LlamaForCausalLM, Qwen2ForCausalLM or Qwen3ForCausalLM"
+        return (
+            f"{type(inner).__name__} is not LlamaForCausalLM, MistralForCausalLM, Qwen2ForCausalLM or "
+            "Qwen3ForCausalLM"
+        )
     config = inner.config
-    if any(kind != "full_attention" for kind in getattr(config, "layer_types", None) or ()):
+    layer_types = getattr(config, "layer_types", None)
+    if layer_types is not None and any(kind != "full_attention" for kind in layer_types):
         return "sliding-window attention layers"
+    # Mistral's config has no layer types: a sliding_window set means every layer attends through it.
+    if layer_types is None and getattr(config, "sliding_window", None) is not None:
+        return f"sliding-window attention (sliding_window={config.sliding_window})"
     if inner.training and config.attention_dropout > 0:
         return "attention dropout while training"
     for name, module in model.named_modules():
