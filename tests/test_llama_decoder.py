@@ -309,12 +309,21 @@ def test_packing_pays_from_the_trials_times(monkeypatch, packing):
     monkeypatch.setattr(
         llama_decoder, "STEP_SECONDS", {llama_decoder.packing_key(model, 4): (3.0, 2.0, 10.0)}
     )
+    monkeypatch.setattr(llama_decoder, "RECORD_USES", {})
     assert packing_pays(model, 4, 10) is False
     assert packing_pays(model, 4, 11) is True
     assert llama_decoder.TRIAL_STEPS == 8
     assert packing_pays(model, 8, 9) is None  # other rows
     assert packing_pays(model, 8, 8) is False
     assert packing_pays(qwen3(), 4, 11) is None  # other weight shapes
+    # A record decides RECORD_CALLS calls; then the next call long enough for a trial tries again.
+    assert llama_decoder.RECORD_CALLS == 500
+    monkeypatch.setattr(llama_decoder, "RECORD_CALLS", 3)
+    assert packing_pays(model, 4, 11) is True  # the third call it decides
+    assert packing_pays(model, 4, 11) is None
+    # a short call still follows it: packing pays from 6 steps with 5 ms to pack (5 + 6 * 2 = 17 < 18 ms)
+    monkeypatch.setitem(llama_decoder.STEP_SECONDS, llama_decoder.packing_key(model, 4), (3.0, 2.0, 5.0))
+    assert packing_pays(model, 4, 6) is True
 
 
 def test_packing_is_not_tried_where_it_cannot_be_or_under_deterministic_algorithms(monkeypatch, packing):
@@ -345,6 +354,7 @@ def test_a_decoder_without_times_tries_both_ways_and_keeps_the_faster(monkeypatc
     product slowed by 0.3 ms makes its way the slower. The logits are the forward's throughout."""
     monkeypatch.setattr(llama_decoder, "packing_pays", packing_pays)  # the real rule, not the fixture's
     monkeypatch.setattr(llama_decoder, "STEP_SECONDS", {})
+    monkeypatch.setattr(llama_decoder, "RECORD_USES", {})
     calls = []
     pack, plain = llama_decoder.packed_linear, llama_decoder.linear
 
@@ -377,12 +387,19 @@ def test_a_decoder_without_times_tries_both_ways_and_keeps_the_faster(monkeypatc
     assert 0 < packing_seconds < 1
     # 15 packed layers: 4 packed trial steps, then the call's last 3 steps (of 12) packed where plain is slower
     assert len(calls) == 15 * (4 if slower == "packed" else 7)
+    uses = llama_decoder.RECORD_USES
+    assert uses == {key: 0}
     calls.clear()
     torch.testing.assert_close(
         decoder_logits(model, ids, mask, 2, continuation), expected, atol=2e-5, rtol=1e-5
     )
     assert len(calls) == (0 if slower == "packed" else 15 * 12)
-    assert len(llama_decoder.STEP_SECONDS) == 1
+    assert len(llama_decoder.STEP_SECONDS) == 1 and uses == {key: 1}
+    # After RECORD_CALLS calls the next one tries again and starts the count anew.
+    monkeypatch.setattr(llama_decoder, "RECORD_CALLS", 1)
+    calls.clear()
+    decoder_logits(model, ids, mask, 2, continuation)
+    assert len(calls) == 15 * (4 if slower == "packed" else 7) and uses == {key: 0}
 
 
 @torch.no_grad()

@@ -238,6 +238,11 @@ STEP_SECONDS: dict[tuple[Any, ...], tuple[float, float, float]] = {}
 # The decode steps a trial times, after a first untimed one: half with plain products, half packed, alternating.
 TRIAL_STEPS = 8
 
+# Calls a trial's record decides before a call long enough for a trial tries again (the machine's state moves over
+# hours), and how many each record has decided so far.
+RECORD_CALLS = 500
+RECORD_USES: dict[tuple[Any, ...], int] = {}
+
 
 def packing_key(model: Any, rows: int) -> tuple[Any, ...]:
     """What a packing trial's times hold for: the shapes (and biases) of ``model``'s packable weights, and ``rows``."""
@@ -248,9 +253,11 @@ def packing_key(model: Any, rows: int) -> tuple[Any, ...]:
 def packing_pays(model: Any, rows: int, steps: int) -> bool | None:
     """Whether a decoder of ``rows`` rows that decodes ``steps`` steps packs ``model``'s weights
     (:func:`packed_weights`): ``packing + steps * packed < steps * plain``, from :data:`STEP_SECONDS`, the times of
-    this process's trial for these weights' shapes and rows. None where no trial was made and this call can make
-    one (more than :data:`TRIAL_STEPS` steps: :class:`LlamaDecoder` then times both ways in it). False where not
-    :func:`packing_possible`, for a call too short for a trial, and under ``torch.use_deterministic_algorithms``,
+    this process's trial for these weights' shapes and rows. None where no trial was made, or its record has
+    decided :data:`RECORD_CALLS` calls already, and this call can make one (more than :data:`TRIAL_STEPS` steps:
+    :class:`LlamaDecoder` then times both ways in it). False where not
+    :func:`packing_possible`, for a call too short for a trial and without a record, and under
+    ``torch.use_deterministic_algorithms``,
     where the products stay the forward's own rather than follow a timing (the two differ in the last bits, ~1e-6).
 
     Why a timing: for a few rows, oneDNN's product from a packed weight took ~42 us (4 x 256 -> 1024, one core)
@@ -261,9 +268,13 @@ def packing_pays(model: Any, rows: int, steps: int) -> bool | None:
     shares the caches)."""
     if torch.are_deterministic_algorithms_enabled() or not packing_possible(model):
         return False
-    seconds = STEP_SECONDS.get(packing_key(model, rows))
+    key = packing_key(model, rows)
+    seconds = STEP_SECONDS.get(key)
+    if seconds is not None and steps > TRIAL_STEPS and RECORD_USES.get(key, 0) >= RECORD_CALLS:
+        seconds = None  # an old record: this call tries again
     if seconds is None:
         return None if steps > TRIAL_STEPS else False
+    RECORD_USES[key] = RECORD_USES.get(key, 0) + 1
     return packing_saves(seconds, steps)
 
 
@@ -369,6 +380,7 @@ class LlamaDecoder:
         (packed if self.packed else plain).append(time.perf_counter() - started)
         if self.step > TRIAL_STEPS:
             STEP_SECONDS[self.trial_key] = min(plain), min(packed), min(packing)
+            RECORD_USES[self.trial_key] = 0
             self.packed = self.trial_packs if min(packed) < min(plain) else {}
             self.trial_key, self.trial_packs = None, {}
         return logits
