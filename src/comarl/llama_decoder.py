@@ -109,8 +109,8 @@ def unsupported_reason(model: Any) -> str | None:
     inside a peft LoRA model) made of exactly their own module classes but for the projections and embeddings
     (:data:`PROJECTIONS`, called as modules unless plain ``nn.Linear`` / ``nn.Embedding``), without hooks, with
     full attention in every layer (a Mistral with ``sliding_window`` unset: Mistral-7B-v0.3's config, not
-    ``MistralConfig``'s default 4096), no attention dropout while training, and every weight on one device. A subclass, an FSDP-sharded layer or a
-    replaced norm is refused.
+    ``MistralConfig``'s default 4096), no attention dropout while training, and every weight on one device. A
+    subclass, an FSDP-sharded layer or a replaced norm is refused.
     """
     inner = causal_lm(model)
     if inner is None:
@@ -255,10 +255,9 @@ def packing_pays(model: Any, rows: int, steps: int) -> bool | None:
     (:func:`packed_weights`): ``packing + steps * packed < steps * plain``, from :data:`STEP_SECONDS`, the times of
     this process's trial for these weights' shapes and rows. None where no trial was made, or its record has
     decided :data:`RECORD_CALLS` calls already, and this call can make one (more than :data:`TRIAL_STEPS` steps:
-    :class:`LlamaDecoder` then times both ways in it). False where not
-    :func:`packing_possible`, for a call too short for a trial and without a record, and under
-    ``torch.use_deterministic_algorithms``,
-    where the products stay the forward's own rather than follow a timing (the two differ in the last bits, ~1e-6).
+    :class:`LlamaDecoder` then times both ways in it). False where not :func:`packing_possible`, for a call too
+    short for a trial and without a record, and under ``torch.use_deterministic_algorithms``, where the products
+    stay the forward's own rather than follow a timing (the two differ in the last bits, ~1e-6).
 
     Why a timing: for a few rows, oneDNN's product from a packed weight took ~42 us (4 x 256 -> 1024, one core)
     against MKL's ~80 us from the row-major weight on most days of this project's VM (generation 1.2x faster at
@@ -296,7 +295,9 @@ class LlamaDecoder:
     Row ``b * G + j`` continues prompt b. The prefill's KV cache is copied once into per-layer buffers
     ``[B * G, kv_heads, P + max_new_tokens, head_dim]``; each step writes its keys and values at position
     ``P + t`` and attends to the first ``P + t + 1`` positions, the prompt's padding masked out.
-    Rotary positions follow the attention mask, as in :func:`comarl.engines.sample_completions`.
+    Rotary positions follow the attention mask, as in :func:`comarl.engines.sample_completions`. On the CPU in
+    fp32 its products are plain or from packed weights, as :func:`packing_pays` says; where it has no answer yet,
+    this decoder finds one by timing both ways in its first steps (:meth:`trial_step`).
     """
 
     def __init__(
