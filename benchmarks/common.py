@@ -144,7 +144,7 @@ def peak_gpu_mb() -> float | None:
 
 
 def decode_trials() -> list[dict[str, Any]]:
-    """What comarl's decode step found in this process's packing trials (``comarl.llama_decoder.STEP_SECONDS``):
+    """What comarl's decode step found in this process's packing trials (``comarl.llama_decoder.PACKING_TRIALS``):
     per row count, ms per decode step with plain and with packed products, ms per packing, and whether a call of
     the workload's length packs; empty where comarl's decoder was not used."""
     decoder = sys.modules.get("comarl.llama_decoder")
@@ -153,12 +153,12 @@ def decode_trials() -> list[dict[str, Any]]:
     return [
         {
             "rows": rows,
-            "plain_ms": round(1e3 * seconds[0], 3),
-            "packed_ms": round(1e3 * seconds[1], 3),
-            "packing_ms": round(1e3 * seconds[2], 3),
-            "packs": decoder.packing_saves(seconds, NEW_TOKENS - 1),
+            "plain_ms": round(1e3 * trial.plain, 3),
+            "packed_ms": round(1e3 * trial.packed, 3),
+            "packing_ms": round(1e3 * trial.packing, 3),
+            "packs": trial.saves(NEW_TOKENS - 1),
         }
-        for (_, rows), seconds in decoder.STEP_SECONDS.items()
+        for (_, rows), trial in decoder.PACKING_TRIALS.items()
     ]
 
 

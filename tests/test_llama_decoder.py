@@ -28,6 +28,7 @@ from comarl import llama_decoder
 from comarl.engines import HFEngine, SamplingParams, sample_completions
 from comarl.llama_decoder import (
     LlamaDecoder,
+    PackingTrial,
     packed_weights,
     packing_pays,
     packing_possible,
@@ -306,10 +307,8 @@ def test_packing_pays_from_the_trials_times(monkeypatch, packing):
     3 ms plain, 2 ms packed and 10 ms to pack, 10 steps tie (30 ms either way: plain), 11 steps pay (32 < 33 ms).
     Without times: None (try) for a call of more than TRIAL_STEPS steps, False for a shorter one."""
     model = qwen2()
-    monkeypatch.setattr(
-        llama_decoder, "STEP_SECONDS", {llama_decoder.packing_key(model, 4): (3.0, 2.0, 10.0)}
-    )
-    monkeypatch.setattr(llama_decoder, "RECORD_USES", {})
+    trials = {llama_decoder.packing_key(model, 4): PackingTrial(3.0, 2.0, 10.0)}
+    monkeypatch.setattr(llama_decoder, "PACKING_TRIALS", trials)
     assert packing_pays(model, 4, 10) is False
     assert packing_pays(model, 4, 11) is True
     assert llama_decoder.TRIAL_STEPS == 8
@@ -322,7 +321,7 @@ def test_packing_pays_from_the_trials_times(monkeypatch, packing):
     assert packing_pays(model, 4, 11) is True  # the third call it decides
     assert packing_pays(model, 4, 11) is None
     # a short call still follows it: packing pays from 6 steps with 5 ms to pack (5 + 6 * 2 = 17 < 18 ms)
-    monkeypatch.setitem(llama_decoder.STEP_SECONDS, llama_decoder.packing_key(model, 4), (3.0, 2.0, 5.0))
+    trials[llama_decoder.packing_key(model, 4)] = PackingTrial(3.0, 2.0, 5.0, uses=3)
     assert packing_pays(model, 4, 6) is True
 
 
@@ -330,7 +329,9 @@ def test_packing_is_not_tried_where_it_cannot_be_or_under_deterministic_algorith
     """bf16 weights, oneDNN turned off: nothing to pack. Under torch.use_deterministic_algorithms the products
     stay the forward's own rather than follow a timing, whatever a trial found."""
     model = qwen2()
-    monkeypatch.setattr(llama_decoder, "STEP_SECONDS", {llama_decoder.packing_key(model, 4): (3.0, 2.0, 1.0)})
+    monkeypatch.setattr(
+        llama_decoder, "PACKING_TRIALS", {llama_decoder.packing_key(model, 4): PackingTrial(3.0, 2.0, 1.0)}
+    )
     assert packing_pays(model, 4, 31) is True
     assert packing_pays(qwen2().to(torch.bfloat16), 4, 31) is False
     with monkeypatch.context() as off:
@@ -353,8 +354,7 @@ def test_a_decoder_without_times_tries_both_ways_and_keeps_the_faster(monkeypatc
     the rest of the call; the next decoder of the same size decodes as the record says, without a trial. A
     product slowed by 0.3 ms makes its way the slower. The logits are the forward's throughout."""
     monkeypatch.setattr(llama_decoder, "packing_pays", packing_pays)  # the real rule, not the fixture's
-    monkeypatch.setattr(llama_decoder, "STEP_SECONDS", {})
-    monkeypatch.setattr(llama_decoder, "RECORD_USES", {})
+    monkeypatch.setattr(llama_decoder, "PACKING_TRIALS", {})
     calls = []
     pack, plain = llama_decoder.packed_linear, llama_decoder.linear
 
@@ -371,35 +371,33 @@ def test_a_decoder_without_times_tries_both_ways_and_keeps_the_faster(monkeypatc
     ids, mask = left_padded([3, 5], SMALL["vocab_size"])
     short = torch.randint(SMALL["vocab_size"], (4, 5), generator=torch.Generator().manual_seed(1))
     decoder_logits(model, ids, mask, 2, short)  # 4 steps after the prefill's token: too short for a trial
-    assert llama_decoder.STEP_SECONDS == {} and calls == []
+    assert llama_decoder.PACKING_TRIALS == {} and calls == []
     continuation = torch.randint(SMALL["vocab_size"], (4, 12), generator=torch.Generator().manual_seed(2))
     expected = forward_logits(model, ids, mask, 2, continuation)
     torch.testing.assert_close(
         decoder_logits(model, ids, mask, 2, continuation), expected, atol=2e-5, rtol=1e-5
     )
-    ((key, (plain_seconds, packed_seconds, packing_seconds)),) = llama_decoder.STEP_SECONDS.items()
+    ((key, trial),) = llama_decoder.PACKING_TRIALS.items()
     assert key == llama_decoder.packing_key(model, 4)
-    assert (
-        (packed_seconds > plain_seconds + 15 * 3e-4)
-        if slower == "packed"
-        else (plain_seconds > packed_seconds + 15 * 3e-4)
-    )
-    assert 0 < packing_seconds < 1
+    if slower == "packed":
+        assert trial.packed > trial.plain + 15 * 3e-4
+    else:
+        assert trial.plain > trial.packed + 15 * 3e-4
+    assert 0 < trial.packing < 1 and trial.uses == 0
     # 15 packed layers: 4 packed trial steps, then the call's last 3 steps (of 12) packed where plain is slower
     assert len(calls) == 15 * (4 if slower == "packed" else 7)
-    uses = llama_decoder.RECORD_USES
-    assert uses == {key: 0}
     calls.clear()
     torch.testing.assert_close(
         decoder_logits(model, ids, mask, 2, continuation), expected, atol=2e-5, rtol=1e-5
     )
     assert len(calls) == (0 if slower == "packed" else 15 * 12)
-    assert len(llama_decoder.STEP_SECONDS) == 1 and uses == {key: 1}
-    # After RECORD_CALLS calls the next one tries again and starts the count anew.
+    assert list(llama_decoder.PACKING_TRIALS.values()) == [trial] and trial.uses == 1
+    # After RECORD_CALLS calls the next one tries again: a new trial, its count from 0.
     monkeypatch.setattr(llama_decoder, "RECORD_CALLS", 1)
     calls.clear()
     decoder_logits(model, ids, mask, 2, continuation)
-    assert len(calls) == 15 * (4 if slower == "packed" else 7) and uses == {key: 0}
+    assert len(calls) == 15 * (4 if slower == "packed" else 7)
+    assert llama_decoder.PACKING_TRIALS[key] is not trial and llama_decoder.PACKING_TRIALS[key].uses == 0
 
 
 @torch.no_grad()

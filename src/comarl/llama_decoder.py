@@ -19,6 +19,7 @@ from __future__ import annotations
 import platform
 import sys
 import time
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -231,17 +232,29 @@ def packed_weights(model: Any) -> dict[torch.nn.Linear, torch.Tensor]:
         }
 
 
-# Per (weight shapes, rows): seconds of one decode step with plain products and with packed ones, and of packing
-# the weights, timed by a process's first LlamaDecoder of that size that decodes long enough (its trial).
-STEP_SECONDS: dict[tuple[Any, ...], tuple[float, float, float]] = {}
+@dataclass
+class PackingTrial:
+    """What a packing trial timed (:meth:`LlamaDecoder.trial_step`): seconds per decode step with plain and with
+    packed products and seconds per packing; and how many calls :func:`packing_pays` has decided from it since."""
+
+    plain: float
+    packed: float
+    packing: float
+    uses: int = 0
+
+    def saves(self, steps: int) -> bool:
+        """``packing + steps * packed < steps * plain``: whether packing makes ``steps`` decode steps faster."""
+        return self.packing + steps * self.packed < steps * self.plain
+
+
+# Per (weight shapes, rows), this process's latest packing trial.
+PACKING_TRIALS: dict[tuple[Any, ...], PackingTrial] = {}
 
 # The decode steps a trial times, after a first untimed one: half with plain products, half packed, alternating.
 TRIAL_STEPS = 8
 
-# Calls a trial's record decides before a call long enough for a trial tries again (the machine's state moves over
-# hours), and how many each record has decided so far.
+# Calls a trial decides before a call long enough for a trial tries again (the machine's state moves over hours).
 RECORD_CALLS = 500
-RECORD_USES: dict[tuple[Any, ...], int] = {}
 
 
 def packing_key(model: Any, rows: int) -> tuple[Any, ...]:
@@ -252,9 +265,9 @@ def packing_key(model: Any, rows: int) -> tuple[Any, ...]:
 
 def packing_pays(model: Any, rows: int, steps: int) -> bool | None:
     """Whether a decoder of ``rows`` rows that decodes ``steps`` steps packs ``model``'s weights
-    (:func:`packed_weights`): ``packing + steps * packed < steps * plain``, from :data:`STEP_SECONDS`, the times of
-    this process's trial for these weights' shapes and rows. None where no trial was made, or its record has
-    decided :data:`RECORD_CALLS` calls already, and this call can make one (more than :data:`TRIAL_STEPS` steps:
+    (:func:`packed_weights`): ``packing + steps * packed < steps * plain``, from :data:`PACKING_TRIALS`, the times of
+    this process's trial for these weights' shapes and rows. None where no trial was made, or it has decided
+    :data:`RECORD_CALLS` calls already, and this call can make one (more than :data:`TRIAL_STEPS` steps:
     :class:`LlamaDecoder` then times both ways in it). False where not :func:`packing_possible`, for a call too
     short for a trial and without a record, and under ``torch.use_deterministic_algorithms``, where the products
     stay the forward's own rather than follow a timing (the two differ in the last bits, ~1e-6).
@@ -267,21 +280,11 @@ def packing_pays(model: Any, rows: int, steps: int) -> bool | None:
     shares the caches)."""
     if torch.are_deterministic_algorithms_enabled() or not packing_possible(model):
         return False
-    key = packing_key(model, rows)
-    seconds = STEP_SECONDS.get(key)
-    if seconds is not None and steps > TRIAL_STEPS and RECORD_USES.get(key, 0) >= RECORD_CALLS:
-        seconds = None  # an old record: this call tries again
-    if seconds is None:
+    trial = PACKING_TRIALS.get(packing_key(model, rows))
+    if trial is None or (steps > TRIAL_STEPS and trial.uses >= RECORD_CALLS):  # none yet, or an old one
         return None if steps > TRIAL_STEPS else False
-    RECORD_USES[key] = RECORD_USES.get(key, 0) + 1
-    return packing_saves(seconds, steps)
-
-
-def packing_saves(seconds: tuple[float, float, float], steps: int) -> bool:
-    """``packing + steps * packed < steps * plain`` for a trial's ``seconds`` ``(plain, packed, packing)``
-    (:data:`STEP_SECONDS`): whether packing makes ``steps`` decode steps faster."""
-    plain, packed, packing = seconds
-    return packing + steps * packed < steps * plain
+    trial.uses += 1
+    return trial.saves(steps)
 
 
 def packed_linear(layer: torch.nn.Linear, packed: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
@@ -364,7 +367,7 @@ class LlamaDecoder:
     def trial_step(self, token_ids: torch.Tensor) -> torch.Tensor:
         """A step of the packing trial (:func:`packing_pays`): the first plain and untimed (it warms the caches),
         the packing timed twice before the second, then :data:`TRIAL_STEPS` steps each timed, plain and packed in
-        turn. After the last the times go to :data:`STEP_SECONDS` (the fastest step each way, the faster packing),
+        turn. After the last the times go to :data:`PACKING_TRIALS` (the fastest step each way, the faster packing),
         and the call keeps whichever products were faster."""
         plain, packed, packing = self.trial_seconds
         if self.step == 0:
@@ -380,8 +383,7 @@ class LlamaDecoder:
         logits = self.decode_step(token_ids)
         (packed if self.packed else plain).append(time.perf_counter() - started)
         if self.step > TRIAL_STEPS:
-            STEP_SECONDS[self.trial_key] = min(plain), min(packed), min(packing)
-            RECORD_USES[self.trial_key] = 0
+            PACKING_TRIALS[self.trial_key] = PackingTrial(min(plain), min(packed), min(packing))
             self.packed = self.trial_packs if min(packed) < min(plain) else {}
             self.trial_key, self.trial_packs = None, {}
         return logits
