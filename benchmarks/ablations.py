@@ -209,7 +209,8 @@ def main() -> None:
             baseline.setdefault(kind, median)
             print(f"  {name:<56} {median:7.2f} s   x{baseline[kind] / median:4.2f}")
     records = [
-        f"{rows} rows {trial.plain * 1e3:.2f} / {trial.packed * 1e3:.2f} ms per step, packing {trial.packing * 1e3:.1f} ms"
+        f"{rows} rows {trial.plain * 1e3:.2f} / {trial.packed * 1e3:.2f} ms per step, "
+        f"packing {trial.packing * 1e3:.1f} ms"
         for (_, rows), trial in comarl.llama_decoder.PACKING_TRIALS.items()
     ]
     print("\nThe packing trial's record (plain / packed): " + "; ".join(records))

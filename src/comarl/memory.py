@@ -55,9 +55,9 @@ class ModelMemory:
     whole weights, and ``gathered = 4 P``: its whole weights, assembled for every generate call. ``packed``:
     the packed copy of its projection weights that comarl's decode step holds while the model generates on the
     CPU in fp32 where packing pays (``llama_decoder.packed_weights``; counted either way), less its gradients,
-    which are freed then (0 for a fully fine-tuned model). These last three are held only while the model runs: a device counts them once per process
-    (:func:`device_need`), for the models of one process on one device take turns. ``process``: the rank of the
-    process that holds the model.
+    which are freed then (0 for a fully fine-tuned model). These last three are held only while the model runs:
+    a device counts them once per process (:func:`device_need`), for the models of one process on one device take
+    turns. ``process``: the rank of the process that holds the model.
     """
 
     name: str
