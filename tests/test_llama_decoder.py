@@ -261,6 +261,20 @@ def packed_names(model) -> list[str]:
     return sorted(name for name, module in model.named_modules() if module in packed)
 
 
+def packed_products(monkeypatch, delay: float = 0.0) -> list:
+    """The layer of every packed product (``packed_linear``) from now on, each made ``delay`` seconds slower."""
+    calls, pack = [], llama_decoder.packed_linear
+
+    def product(*args):
+        calls.append(args[0])
+        if delay:  # even sleep(0) costs tens of us
+            time.sleep(delay)
+        return pack(*args)
+
+    monkeypatch.setattr(llama_decoder, "packed_linear", product)
+    return calls
+
+
 @torch.no_grad()
 def test_plain_projections_are_packed_on_the_cpu_in_fp32_only(monkeypatch, packing):
     """On the CPU in fp32 the weight of every plain nn.Linear among the layers' projections and the head is packed
@@ -268,9 +282,7 @@ def test_plain_projections_are_packed_on_the_cpu_in_fp32_only(monkeypatch, packi
     weights, on an Arm CPU without ACL; the LoRA layers of a peft model are left to their module call, its other
     projections packed."""
     model = qwen2()
-    calls = []
-    pack = llama_decoder.packed_linear
-    monkeypatch.setattr(llama_decoder, "packed_linear", lambda *args: calls.append(args[0]) or pack(*args))
+    calls = packed_products(monkeypatch)
     decoder_logits(model, *left_padded([3, 5], SMALL["vocab_size"]), 2, torch.zeros(4, 2, dtype=torch.long))
     if packing:
         assert len(calls) == 2 * 15 and len(set(calls)) == 15  # two steps, every packed layer once per step
@@ -355,18 +367,10 @@ def test_a_decoder_without_times_tries_both_ways_and_keeps_the_faster(monkeypatc
     product slowed by 0.3 ms makes its way the slower. The logits are the forward's throughout."""
     monkeypatch.setattr(llama_decoder, "packing_pays", packing_pays)  # the real rule, not the fixture's
     monkeypatch.setattr(llama_decoder, "PACKING_TRIALS", {})
-    calls = []
-    pack, plain = llama_decoder.packed_linear, llama_decoder.linear
-
-    def slowed(product, slow):
-        return lambda *args: (time.sleep(3e-4) if slow else None) or product(*args)
-
-    monkeypatch.setattr(llama_decoder, "linear", slowed(plain, slower == "plain"))
-    monkeypatch.setattr(
-        llama_decoder,
-        "packed_linear",
-        lambda *args: calls.append(args[0]) or slowed(pack, slower == "packed")(*args),
-    )
+    calls = packed_products(monkeypatch, delay=3e-4 if slower == "packed" else 0.0)
+    if slower == "plain":
+        plain = llama_decoder.linear
+        monkeypatch.setattr(llama_decoder, "linear", lambda *args: time.sleep(3e-4) or plain(*args))
     model = qwen2()
     ids, mask = left_padded([3, 5], SMALL["vocab_size"])
     short = torch.randint(SMALL["vocab_size"], (4, 5), generator=torch.Generator().manual_seed(1))
@@ -403,12 +407,10 @@ def test_a_decoder_without_times_tries_both_ways_and_keeps_the_faster(monkeypatc
 @torch.no_grad()
 def test_a_decoder_asks_packing_pays_for_its_rows_and_steps(monkeypatch, packing):
     """B * G rows and T - 1 steps (the first token comes from the prefill); its answer decides the products."""
-    asked, calls = [], []
+    asked, calls = [], packed_products(monkeypatch)
     monkeypatch.setattr(
         llama_decoder, "packing_pays", lambda model, rows, steps: asked.append((rows, steps)) or packing
     )
-    pack = llama_decoder.packed_linear
-    monkeypatch.setattr(llama_decoder, "packed_linear", lambda *args: calls.append(args[0]) or pack(*args))
     model = qwen2()
     ids, mask = left_padded([3, 5, 4], SMALL["vocab_size"])
     continuation = torch.zeros(6, 4, dtype=torch.long)
