@@ -565,8 +565,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         machine = {} if path.suffix == ".jsonl" else json.loads(path.read_text())["machine"]
         if "probe_before" in machine:
             print("\n" + probe_text(machine["probe_before"], machine["probe_after"]))
-        if trials_text(runs):
-            print("\n" + trials_text(runs))
+        trials = trials_text(runs)
+        if trials:
+            print("\n" + trials)
         return 0
     repeats = args.repeats or (1 if args.quick else 2)
     prompts = args.prompts or (8 if args.quick else None)
@@ -631,8 +632,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     summary = summarize(runs)
     rows = comparisons(summary)
     table = markdown(rows, summary) + "\n\n" + probe_text(probe_before, probe_after)
-    if trials_text(runs):
-        table += "\n\n" + trials_text(runs)
+    trials = trials_text(runs)
+    if trials:
+        table += "\n\n" + trials
     record = {
         "date": stamp,
         "settings": {
