@@ -9,8 +9,9 @@ For one epoch's prompts (in steps of 1 or 8 prompts, G = 4 samples each, 32 new 
   packed for oneDNN once per generate call always, and only where ``packing_pays`` times it faster (the engine
   now: whether oneDNN's packing pays depends on the machine's state, docs/benchmarks.md), and, as a candidate,
   packed for MKL's packed GEMM instead;
-- the training forward + backward of the log-probs: one forward over prompt+completion per row,
-  and the shared-prompt forward (the prompt once per group; the agent now).
+- the training forward + backward of the log-probs: the model's forward over prompt+completion per row, the
+  model's forward with the prompt once per group (its KV cache gathered to the rows), and comarl's own forward
+  (``llama_decoder.shared_prompt_logits``: the prompts once and the rows in one pass; the agent now).
 
 Variants run interleaved, ``--repeats`` times; the table gives the median CPU seconds per epoch
 (CPU time is steadier than wall time on a shared machine) and the speed-up over the first variant::
@@ -147,11 +148,13 @@ def main() -> None:
         finally:
             comarl.engines.next_tokens = inverse_cdf
 
-    def update(shared: bool) -> Callable[[object], None]:
+    def update(shared: bool, own: bool) -> Callable[[object], None]:
         def run(gen: object) -> None:
-            original = comarl.agents._shared_prompts
-            if not shared:  # the forward comarl did before: the prompt once per row
+            sharing, support = comarl.agents._shared_prompts, comarl.agents.unsupported_reason
+            if not shared:  # the forward comarl did first: the prompt once per row
                 comarl.agents._shared_prompts = lambda *a: None
+            if not own:  # the model's forward (the distinct prompts' KV cache gathered to the rows)
+                comarl.agents.unsupported_reason = lambda model: "the model's forward"
             try:
                 logp = agent.completion_logprobs(
                     gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask
@@ -159,7 +162,7 @@ def main() -> None:
                 (logp * gen.completion_mask).sum().backward()
                 model.zero_grad(set_to_none=True)
             finally:
-                comarl.agents._shared_prompts = original
+                comarl.agents._shared_prompts, comarl.agents.unsupported_reason = sharing, support
 
         return run
 
@@ -190,9 +193,13 @@ def main() -> None:
             name: functools.partial(lambda fn, batches: [fn(*b) for b in batches], fn, encoded)
             for name, fn in generate_without_grad.items()
         }
-        for name, shared in (("prompt per row", False), ("prompt once per group", True)):
+        for name, shared, own in (
+            ("prompt per row", False, False),
+            ("prompt once per group", True, False),
+            ("+ comarl's own forward (the trainer now)", True, True),
+        ):
             variants[f"log-prob forward+backward: {name}"] = functools.partial(
-                lambda fn, gens: [fn(g) for g in gens], update(shared), generations
+                lambda fn, gens: [fn(g) for g in gens], update(shared, own), generations
             )
         seconds: dict[str, list[float]] = {name: [] for name in variants}
         for _ in range(args.repeats):

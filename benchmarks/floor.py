@@ -9,9 +9,10 @@ Per step and per agent, the same algorithm as comarl's trainer, written out with
 - the shared reward and group-normalised advantages;
 - malloc keeps freed memory for the next step's tensors (``comarl.memory.keep_freed_memory``, as comarl's
   trainer does on the CPU; ``--glibc-malloc``: glibc's defaults);
-- update: the distinct prompts (all but their last token) run once with grad, their KV cache repeated to
-  the G rows, then last prompt token + completion per row; token log-probs, a token-mean
-  policy-gradient loss, gradient clipping at 1.0 and a fused AdamW step (weight decay 0).
+- update: each prompt (all but its last token) once and its G rows (last prompt token + completion) in one
+  pass of comarl's training forward (``llama_decoder.shared_prompt_logits``, what comarl's agent runs for this
+  model on the CPU); token log-probs, a token-mean policy-gradient loss, gradient clipping at 1.0 and a fused AdamW step
+  (weight decay 0).
 
 No logging, no checks, no environment protocol, no micro-batches: what is left is the work itself.
 """
@@ -92,31 +93,13 @@ def generate(model, prompt_ids, prompt_mask, eos_token_id, plain, G=NUM_GENERATI
 
 
 def completion_logprobs(model, prompt_ids, prompt_mask, ids, G=NUM_GENERATIONS):  # noqa: ANN001, ANN201
-    """Log-probs [B * G, T] of the completions; each distinct prompt runs once, its cache repeated G times."""
+    """Log-probs [B * G, T] of the completions: each prompt (but its last token) once and its G rows in one pass."""
     import torch
-    from transformers import DynamicCache
 
-    cache_argument = _cache_argument(model)
-    attention = torch.cat([prompt_mask.repeat_interleave(G, dim=0), torch.ones_like(ids)], dim=1)
-    positions = (attention.cumsum(1) - 1).clamp(min=0)
-    P = prompt_ids.shape[1]
-    cache = DynamicCache(config=model.config)
-    model(
-        input_ids=prompt_ids[:, : P - 1],
-        attention_mask=prompt_mask[:, : P - 1],
-        position_ids=positions[::G, : P - 1],
-        **{cache_argument: cache},
-        use_cache=True,
-        logits_to_keep=1,
-    )
-    cache.batch_repeat_interleave(G)
-    logits = model(
-        input_ids=torch.cat([prompt_ids[:, P - 1 :].repeat_interleave(G, dim=0), ids[:, :-1]], dim=1),
-        attention_mask=attention[:, :-1],
-        position_ids=positions[:, P - 1 : -1],
-        **{cache_argument: cache},
-        use_cache=True,
-    ).logits
+    from comarl.llama_decoder import shared_prompt_logits
+
+    rows = torch.arange(prompt_ids.shape[0], device=prompt_ids.device).repeat_interleave(G)
+    logits = shared_prompt_logits(model, prompt_ids, prompt_mask, ids, rows)
     return torch.log_softmax(logits / TEMPERATURE, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
 
 

@@ -317,9 +317,10 @@ def test_ablations_and_profile_scripts_run_on_the_workload(tmp_path):
     )
     assert ablations.returncode == 0, ablations.stderr[-3000:]
     rows = [line for line in ablations.stdout.splitlines() if line.startswith("  ")]
-    # 8 generate and 2 update variants, at 1 and at 8 prompts per step
-    assert len(rows) == 2 * 10, ablations.stdout
+    # 8 generate and 3 update variants, at 1 and at 8 prompts per step
+    assert len(rows) == 2 * 11, ablations.stdout
     assert sum("(the engine now)" in row for row in rows) == 2
+    assert sum("(the trainer now)" in row for row in rows) == 2
     profile = subprocess.run(
         [sys.executable, str(BENCHMARKS / "profile_comarl.py"), "--workload", workload, "--mode", "batched"]
         + ["--prompts", "8"],

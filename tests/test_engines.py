@@ -9,6 +9,7 @@ import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer, GenerationConfig
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
+import comarl.agents
 from comarl.agents import (
     CACHE_ARGUMENT,
     Agent,
@@ -28,6 +29,22 @@ from comarl.engines import (
 )
 
 PROMPTS = ["a", "def add(a, b): return a", "alice and bob meet at the"]
+
+
+@pytest.fixture(params=["own forward", "model forward"])
+def scoring(request, monkeypatch) -> str:
+    """Runs a test with ``completion_logprobs`` through comarl's own training forward (``shared_prompt_logits``, for
+    the models the decode step accepts, on the CPU) and through the model's forward (any other model), and checks
+    afterwards that the first ran exactly where it should."""
+    calls = []
+    own = comarl.agents.shared_prompt_logits
+    monkeypatch.setattr(comarl.agents, "shared_prompt_logits", lambda *args: calls.append(1) or own(*args))
+    if request.param == "model forward":
+        monkeypatch.setattr(
+            comarl.agents, "unsupported_reason", lambda model: "this test takes the model forward"
+        )
+    yield request.param
+    assert bool(calls) == (request.param == "own forward")
 
 
 @pytest.mark.parametrize("fixture", ["qwen_bpe", "llama_word"])
@@ -126,8 +143,9 @@ def test_shared_prompt_groups_by_hand():
 
 
 @pytest.mark.parametrize("fixture", ["qwen_bpe", "llama_word"])
-def test_shared_prompt_forward_equals_one_forward_per_row(fixture, request):
-    """Log-probs and gradients of the shared-prompt forward equal those of each row on its own."""
+def test_shared_prompt_forward_equals_one_forward_per_row(fixture, request, scoring):
+    """Log-probs and gradients of the shared-prompt forward equal those of each row on its own, through comarl's own
+    forward and through the model's."""
     agent = Agent.from_pretrained(request.getfixturevalue(fixture))
     torch.manual_seed(0)
     gen = HFEngine().generate(agent, PROMPTS, 3, SamplingParams(max_new_tokens=7))
@@ -561,7 +579,7 @@ def assert_logprobs_equal_per_row_forwards(agent: Agent, gen, temperature: float
 
 
 @pytest.mark.parametrize("shared", [True, False])
-def test_completion_logprobs_divide_by_the_temperature_on_both_paths(qwen_bpe, shared):
+def test_completion_logprobs_divide_by_the_temperature_on_both_paths(qwen_bpe, shared, scoring):
     """log softmax(logits / T)[token] at T = 0.6, on the shared-prompt path (rows repeat a prompt) and on the plain
     one (every prompt distinct), each against a per-row forward (mutations killed: T dropped on either path)."""
     agent = Agent.from_pretrained(qwen_bpe)
@@ -580,7 +598,7 @@ def test_completion_logprobs_of_a_model_with_learned_positions_follow_the_mask(g
     assert_logprobs_equal_per_row_forwards(agent, gen)
 
 
-def test_prompts_of_equal_ids_but_different_masks_are_not_shared(qwen_bpe):
+def test_prompts_of_equal_ids_but_different_masks_are_not_shared(qwen_bpe, scoring):
     """pad == EOS: "<|endoftext|>alice" and the one token shorter "alice" left-padded with EOS encode to the same ids
     with different masks (chat templates put EOS in prompts). They are two prompts: each row's log-probs equal its
     own unpadded forward (mutation killed: distinct prompts found from the ids alone, so the "alice" rows got the

@@ -32,6 +32,7 @@ from comarl.llama_decoder import (
     packed_weights,
     packing_pays,
     packing_possible,
+    shared_prompt_logits,
     unsupported_reason,
 )
 
@@ -553,3 +554,94 @@ def test_peft_adapters_other_than_lora_keep_the_model_forward():
         qwen2(), peft.IA3Config(target_modules=["k_proj", "down_proj"], feedforward_modules=["down_proj"])
     )
     assert unsupported_reason(ia3) == "PeftModel holds peft adapters other than LoRA"
+
+
+# ---------------------------------------------------------------------------- the training forward
+
+
+def rows_forward_logits(model, prompt_ids, prompt_mask, completion_ids, row_to_prompt):
+    """Each row's completion logits from the model's forward over its own left-padded prompt + completion."""
+    ids = torch.cat([prompt_ids[row_to_prompt], completion_ids], dim=1)
+    mask = torch.cat([prompt_mask[row_to_prompt], torch.ones_like(completion_ids)], dim=1)
+    positions = (mask.cumsum(1) - 1).clamp(min=0)
+    logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+    return logits[:, prompt_ids.shape[1] - 1 : -1]
+
+
+def training_case(model, lengths=(5, 9, 2), T=6):
+    """Three left-padded prompts (one unpadded) and seven rows continuing them out of order, one prompt alone."""
+    ids, mask = left_padded(list(lengths), model.config.vocab_size)
+    row_to_prompt = torch.tensor([1, 0, 1, 2, 0, 1, 0])
+    completion = torch.randint(model.config.vocab_size, (7, T), generator=torch.Generator().manual_seed(4))
+    return ids, mask, completion, row_to_prompt
+
+
+def logits_and_grads(model, forward, *case):
+    model.zero_grad(set_to_none=True)
+    logits = forward(model, *case)
+    (logits.float().square().mean() + logits[..., 3].sum()).backward()  # every logit reaches the loss
+    return logits.detach(), {n: p.grad for n, p in model.named_parameters() if p.grad is not None}
+
+
+@pytest.mark.parametrize("build", [llama, mistral, qwen2, qwen3], ids=["llama", "mistral", "qwen2", "qwen3"])
+def test_shared_prompt_logits_and_gradients_equal_each_rows_own_forward(build):
+    """One pass over the distinct prompts and the rows gives the logits of the model's forward over each row's own
+    prompt + completion, and the gradients of every weight (the shared prompts' included), with the Llama's
+    biases, head size and llama3 RoPE scaling and Qwen3's query and key norms."""
+    model = build().train()
+    case = training_case(model)
+    expected, expected_grads = logits_and_grads(model, rows_forward_logits, *case)
+    got, grads = logits_and_grads(model, shared_prompt_logits, *case)
+    assert got.shape == (7, 6, model.config.vocab_size)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+    assert grads.keys() == expected_grads.keys() and len(grads) == len(list(model.parameters()))
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+def test_shared_prompt_logits_rescale_a_dynamic_rope_over_every_position_at_once():
+    """A 'dynamic' RoPE rescales once positions pass the original 8: the one pass asks rotary_emb for every position
+    together, as the model's forward over whole rows does (a prompt-then-rows pass would rotate the prompt's keys
+    with the frequencies of a shorter call)."""
+    torch.manual_seed(0)
+    config = LlamaConfig(
+        **{**SMALL, "max_position_embeddings": 8},
+        rope_parameters={"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
+    )
+    model = LlamaForCausalLM(config)
+    case = training_case(model, lengths=(6, 4, 3), T=7)
+    with torch.no_grad():
+        expected = rows_forward_logits(model, *case)
+        torch.testing.assert_close(shared_prompt_logits(model, *case), expected, atol=2e-5, rtol=1e-5)
+
+
+def test_shared_prompt_logits_of_a_lora_model_follow_its_active_adapter():
+    """A peft LoRA model (adapters on projections and on the embedding): the logits and the adapters' gradients of
+    whichever adapter is active, and the base's logits with the adapters off."""
+    model = lora(qwen2(), names=("first", "second")).train()
+    case = training_case(model.get_base_model())
+    for name in ("first", "second"):
+        model.set_adapter(name)
+        expected, expected_grads = logits_and_grads(model, rows_forward_logits, *case)
+        got, grads = logits_and_grads(model, shared_prompt_logits, *case)
+        torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+        assert grads.keys() == expected_grads.keys() and all(
+            f".{name}." in n or n.endswith(name) for n in grads
+        )
+        for key, grad in grads.items():
+            torch.testing.assert_close(grad, expected_grads[key], atol=1e-5, rtol=1e-4, msg=key)
+    with torch.no_grad(), model.disable_adapter():
+        torch.testing.assert_close(
+            shared_prompt_logits(model, *case), rows_forward_logits(model, *case), atol=2e-5, rtol=1e-5
+        )
+
+
+@torch.no_grad()
+def test_shared_prompt_logits_follow_the_forward_under_bf16_autocast():
+    model = qwen2()
+    case = training_case(model)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected = rows_forward_logits(model, *case)
+        got = shared_prompt_logits(model, *case)
+    assert got.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=0)

@@ -420,3 +420,81 @@ class LlamaDecoder:
             )
         self.step += 1
         return self.linear(self.model.lm_head, rms_norm(x, base.norm))[:, -1]
+
+
+def shared_prompt_logits(
+    model: Any,
+    prompt_ids: torch.Tensor,
+    prompt_mask: torch.Tensor,
+    completion_ids: torch.Tensor,
+    row_to_prompt: torch.Tensor,
+) -> torch.Tensor:
+    """Logits ``[B, T, V]`` of every row's completion tokens, from one pass over the model's layers: position ``t``
+    predicts completion token ``t``. Row ``r`` continues prompt ``row_to_prompt[r]`` of the ``D`` distinct
+    left-padded prompts ``[D, P]`` (``P >= 2``); ``completion_ids`` is ``[B, T]``.
+
+    The training forward of :meth:`comarl.agents.Agent.completion_logprobs`, the same layers and operations as the
+    model's forward (as :class:`LlamaDecoder`'s, for a model :func:`unsupported_reason` accepts) over two sets of
+    tokens at once: each distinct prompt but its last token, once, and each row's last prompt token and completion
+    but its last token. Every product runs once over both sets' rows (``D (P - 1) + B T``); attention runs per set:
+    a prompt token attends to the prompt's earlier tokens, a row's token to its prompt's tokens (their keys and
+    values gathered to the row) and the row's own earlier ones, the prompt's padding masked out. Gradients reach the
+    shared prompt tokens from every row that attends to them, as through ``B`` copies. Rotary embeddings come from
+    one call of the model's ``rotary_emb`` at every position (a 'dynamic' RoPE then rescales as in the model's
+    forward over whole rows).
+    """
+    inner = causal_lm(model)
+    base = inner.model
+    D, P = prompt_ids.shape
+    B, T = completion_ids.shape
+    L = P - 1  # the prompt tokens that run once; the last one runs in each row, ahead of its completion
+    n = D * L
+    positions = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
+    row_positions = positions[row_to_prompt, -1:] + torch.arange(T, device=positions.device)  # [B, T]
+    row_tokens = torch.cat([prompt_ids[row_to_prompt, -1:], completion_ids[:, :-1]], dim=1)
+    x = embed(base.embed_tokens, torch.cat([prompt_ids[:, :L].reshape(-1), row_tokens.reshape(-1)]))
+    cos, sin = base.rotary_emb(x, torch.cat([positions[:, :L].reshape(-1), row_positions.reshape(-1)])[None])
+    cos, sin = cos[0], signed_sin(sin[0])  # [n + B T, head_dim]
+    prompt_rotary = cos[:n].view(D, 1, L, -1), sin[:n].view(D, 1, L, -1)
+    row_rotary = cos[n:].view(B, 1, T, -1), sin[n:].view(B, 1, T, -1)
+    # SDPA's boolean masks, True where a query may attend. A padding query attends to nothing: SDPA gives it zeros
+    # (torch >= 2.6, as transformers' own masks rely on), and no real token attends to it.
+    keep = prompt_mask[:, :L].bool()
+    causal = torch.ones(L, L, dtype=torch.bool, device=keep.device).tril()
+    prompt_attends = (causal & keep[:, None, :])[:, None]
+    own = torch.ones(T, T, dtype=torch.bool, device=keep.device).tril()
+    row_attends = torch.cat(
+        [keep[row_to_prompt, None, :].expand(B, T, L), own.expand(B, T, T)], dim=2
+    ).unsqueeze(1)
+    for layer in base.layers[: inner.config.num_hidden_layers]:
+        attention, mlp = layer.self_attn, layer.mlp
+        head_dim = attention.head_dim
+        h = rms_norm(x, layer.input_layernorm)
+        q = linear(attention.q_proj, h).view(n + B * T, -1, head_dim)
+        k = linear(attention.k_proj, h).view(n + B * T, -1, head_dim)
+        if hasattr(attention, "q_norm"):  # Qwen3: an RMSNorm over each head's query and key
+            q, k = rms_norm(q, attention.q_norm), rms_norm(k, attention.k_norm)
+        v = linear(attention.v_proj, h).view(n + B * T, -1, head_dim)
+        # [rows, heads, tokens, head_dim] per set
+        prompt_q, prompt_k, prompt_v = (t[:n].unflatten(0, (D, L)).transpose(1, 2) for t in (q, k, v))
+        row_q, row_k, row_v = (t[n:].unflatten(0, (B, T)).transpose(1, 2) for t in (q, k, v))
+        prompt_q, prompt_k = rotate(prompt_q, *prompt_rotary), rotate(prompt_k, *prompt_rotary)
+        row_q, row_k = rotate(row_q, *row_rotary), rotate(row_k, *row_rotary)
+        prompt_out = F.scaled_dot_product_attention(
+            prompt_q, prompt_k, prompt_v, attn_mask=prompt_attends, scale=attention.scaling, enable_gqa=True
+        )
+        row_out = F.scaled_dot_product_attention(
+            row_q,
+            torch.cat([prompt_k[row_to_prompt], row_k], dim=2),
+            torch.cat([prompt_v[row_to_prompt], row_v], dim=2),
+            attn_mask=row_attends,
+            scale=attention.scaling,
+            enable_gqa=True,
+        )
+        out = torch.cat(
+            [prompt_out.transpose(1, 2).reshape(n, -1), row_out.transpose(1, 2).reshape(B * T, -1)]
+        )
+        x = x + linear(attention.o_proj, out)
+        h = rms_norm(x, layer.post_attention_layernorm)
+        x = x + linear(mlp.down_proj, mlp.act_fn(linear(mlp.gate_proj, h)) * linear(mlp.up_proj, h))
+    return linear(inner.lm_head, rms_norm(x[n:], base.norm)).view(B, T, -1)
