@@ -209,12 +209,12 @@ def main() -> None:
         print(
             f"\n{per_step} prompt(s) per step x G={G}, {len(steps)} steps (one epoch), CPU seconds (median):"
         )
-        baseline = {}
+        baseline, width = {}, max(map(len, seconds))
         for name, values in seconds.items():
             kind = name.split(":")[0]
             median = statistics.median(values)
             baseline.setdefault(kind, median)
-            print(f"  {name:<56} {median:7.2f} s   x{baseline[kind] / median:4.2f}")
+            print(f"  {name:<{width}} {median:7.2f} s   x{baseline[kind] / median:4.2f}")
     records = [
         f"{rows} rows {trial.plain * 1e3:.2f} / {trial.packed * 1e3:.2f} ms per step, "
         f"packing {trial.packing * 1e3:.1f} ms"
