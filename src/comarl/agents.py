@@ -253,13 +253,13 @@ class Agent:
         ``t``, so only the last ``T+1`` logits are computed (``logits_to_keep``). Position ids
         follow the attention mask, as in generation with left padding.
 
-        Rows that share a prompt (the G samples of a group) share its computation: the distinct
-        prompts (all but their last token) run once, and only the last prompt token + the completion run per row.
-        Gradients flow through the shared prompt as through G copies of it. On the CPU, a model that
-        :func:`comarl.llama_decoder.unsupported_reason` accepts runs both sets of tokens in one pass of comarl's
-        own forward (:func:`comarl.llama_decoder.shared_prompt_logits`: the same layers and operations, each
-        product once over both sets, without the forward's per-call overhead: the peer-mode update ~20 % faster);
-        any other model runs the distinct prompts through its forward, their KV cache gathered to every row, then
+        Rows that share a prompt (the G samples of a group) share its computation: the distinct prompts (all but
+        their last token) run once, and only the last prompt token + the completion run per row. Gradients flow
+        through the shared prompt as through G copies of it. On the CPU, a model that
+        :func:`comarl.llama_decoder.unsupported_reason` accepts runs both sets of tokens in one pass of comarl's own
+        forward (:func:`comarl.llama_decoder.shared_prompt_logits`: the same layers and operations, each product
+        once over both sets, without the forward's per-call overhead; a peer-mode update takes 15-21 % less time).
+        Any other model runs the distinct prompts through its forward, their KV cache gathered to every row, then
         the rows. Neither under gradient checkpointing, which drops caches (the whole rows then run), nor for a
         model sharded by FSDP2 (``shard_weights``), which frees each layer's gathered weights after its own
         backward, while the cache carries gradients from the completion's forward back into the prompt's.

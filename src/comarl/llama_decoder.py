@@ -1,5 +1,6 @@
 """comarl's own decode step for Llama, Mistral, Qwen2 and Qwen3 models: the model's next-token logits, without its
-per-step overhead.
+per-step overhead; and, from the same layers, the CPU training forward of rows that share prompts
+(:func:`shared_prompt_logits`).
 
 Decoding a few rows at a time, ``model(input_ids=..., cache=...)`` spends a third of each step outside its
 matrix products: a causal mask built per step, the KV cache grown by ``cat``, module calls and shape checks
@@ -104,7 +105,8 @@ def causal_lm(model: Any) -> Any:
 
 
 def unsupported_reason(model: Any) -> str | None:
-    """Why :class:`LlamaDecoder` cannot stand in for ``model``'s forward, or None when it can.
+    """Why :class:`LlamaDecoder` (and :func:`shared_prompt_logits`) cannot stand in for ``model``'s forward, or None
+    when it can.
 
     It can for a ``LlamaForCausalLM``, ``MistralForCausalLM``, ``Qwen2ForCausalLM`` or ``Qwen3ForCausalLM`` (also
     inside a peft LoRA model) made of exactly their own module classes but for the projections and embeddings
