@@ -60,6 +60,8 @@ def build_trainer(args: Any, prompts: list[dict[str, str]]) -> Any:
 
 
 def main() -> None:
+    from comarl.distributed import finish
+
     args = runner_args(__doc__)
     set_threads(args.threads)
     started = time.perf_counter()
@@ -86,7 +88,7 @@ def main() -> None:
             (clock.completions, clock.tokens, clock.cpu_seconds, clock.seconds, peak_rss_mb())
         )
         if trainer.parallel.rank != 0:
-            return
+            finish()
         clock.completions, clock.tokens = sum(p[0] for p in parts), sum(p[1] for p in parts)
         clock.cpu_seconds, clock.seconds = sum(p[2] for p in parts), max(p[3] for p in parts)
         extra = {
@@ -102,6 +104,8 @@ def main() -> None:
         optimizer_steps=trainer.step,
         **extra,
     )
+    if trainer.parallel is not None:
+        finish()  # as `comarl train` ends under torchrun: a normal exit can abort a finished run (distributed.finish)
 
 
 if __name__ == "__main__":
