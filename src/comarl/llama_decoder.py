@@ -20,6 +20,7 @@ from __future__ import annotations
 import platform
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -181,6 +182,27 @@ def signed_sin(sin: torch.Tensor) -> torch.Tensor:
     """``[-sin1, sin2]`` from ``sin = [sin1, sin2]`` (halves of the last dimension), for :func:`rotate`."""
     sin1, sin2 = sin.chunk(2, dim=-1)
     return torch.cat((-sin1, sin2), dim=-1)
+
+
+def attention_inputs(
+    attention: Any, h: torch.Tensor, product: Callable[[Any, torch.Tensor], torch.Tensor] = linear
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Queries, keys and values ``[..., heads, head_dim]`` of the normed hidden states ``h [..., hidden]``, each from
+    ``product`` (:func:`linear`, or a decoder's packed products); Qwen3's per-head RMSNorm on queries and keys."""
+    q, k, v = (
+        product(projection, h).view(*h.shape[:-1], -1, attention.head_dim)
+        for projection in (attention.q_proj, attention.k_proj, attention.v_proj)
+    )
+    if hasattr(attention, "q_norm"):  # Qwen3: an RMSNorm over each head's query and key
+        q, k = rms_norm(q, attention.q_norm), rms_norm(k, attention.k_norm)
+    return q, k, v
+
+
+def mlp_output(
+    mlp: Any, h: torch.Tensor, product: Callable[[Any, torch.Tensor], torch.Tensor] = linear
+) -> torch.Tensor:
+    """The MLP block's output ``down(act(gate(h)) * up(h))``, each projection from ``product``."""
+    return product(mlp.down_proj, mlp.act_fn(product(mlp.gate_proj, h)) * product(mlp.up_proj, h))
 
 
 def rope_fixed_by_position(rotary_emb: Any) -> bool:
@@ -397,14 +419,8 @@ class LlamaDecoder:
         cos, sin = self.rotary_embedding(x)  # [rows, 1, 1, head_dim]
         for i, layer in enumerate(self.layers):
             attention, mlp = layer.self_attn, layer.mlp
-            h = rms_norm(x, layer.input_layernorm)
-            head_dim = attention.head_dim
-            q = self.linear(attention.q_proj, h).view(rows, 1, -1, head_dim)
-            k = self.linear(attention.k_proj, h).view(rows, 1, -1, head_dim)
-            if hasattr(attention, "q_norm"):  # Qwen3: an RMSNorm over each head's query and key
-                q, k = rms_norm(q, attention.q_norm), rms_norm(k, attention.k_norm)
-            q, k = q.transpose(1, 2), k.transpose(1, 2)
-            v = self.linear(attention.v_proj, h).view(rows, 1, -1, head_dim).transpose(1, 2)
+            q, k, v = attention_inputs(attention, rms_norm(x, layer.input_layernorm), self.linear)
+            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
             self.keys[i][:, :, n - 1 : n] = rotate(k, cos, sin)
             self.values[i][:, :, n - 1 : n] = v
             out = F.scaled_dot_product_attention(
@@ -416,10 +432,7 @@ class LlamaDecoder:
                 enable_gqa=True,
             )
             x = x + self.linear(attention.o_proj, out.transpose(1, 2).reshape(rows, 1, -1))
-            h = rms_norm(x, layer.post_attention_layernorm)
-            x = x + self.linear(
-                mlp.down_proj, mlp.act_fn(self.linear(mlp.gate_proj, h)) * self.linear(mlp.up_proj, h)
-            )
+            x = x + mlp_output(mlp, rms_norm(x, layer.post_attention_layernorm), self.linear)
         self.step += 1
         return self.linear(self.model.lm_head, rms_norm(x, base.norm))[:, -1]
 
@@ -469,17 +482,13 @@ def shared_prompt_logits(
         [keep[row_to_prompt, None, :].expand(B, T, L), own.expand(B, T, T)], dim=2
     ).unsqueeze(1)
     for layer in base.layers[: inner.config.num_hidden_layers]:
-        attention, mlp = layer.self_attn, layer.mlp
-        head_dim = attention.head_dim
-        h = rms_norm(x, layer.input_layernorm)
-        q = linear(attention.q_proj, h).view(n + B * T, -1, head_dim)
-        k = linear(attention.k_proj, h).view(n + B * T, -1, head_dim)
-        if hasattr(attention, "q_norm"):  # Qwen3: an RMSNorm over each head's query and key
-            q, k = rms_norm(q, attention.q_norm), rms_norm(k, attention.k_norm)
-        v = linear(attention.v_proj, h).view(n + B * T, -1, head_dim)
+        attention = layer.self_attn
+        q, k, v = attention_inputs(
+            attention, rms_norm(x, layer.input_layernorm)
+        )  # [n + B T, heads, head_dim]
         # [rows, heads, tokens, head_dim] per set
-        prompt_q, prompt_k, prompt_v = (t[:n].unflatten(0, (D, L)).transpose(1, 2) for t in (q, k, v))
-        row_q, row_k, row_v = (t[n:].unflatten(0, (B, T)).transpose(1, 2) for t in (q, k, v))
+        prompt_q, prompt_k, prompt_v = (t[:n].view(D, L, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+        row_q, row_k, row_v = (t[n:].view(B, T, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
         prompt_q, prompt_k = rotate(prompt_q, *prompt_rotary), rotate(prompt_k, *prompt_rotary)
         row_q, row_k = rotate(row_q, *row_rotary), rotate(row_k, *row_rotary)
         prompt_out = F.scaled_dot_product_attention(
@@ -497,6 +506,5 @@ def shared_prompt_logits(
             [prompt_out.transpose(1, 2).reshape(n, -1), row_out.transpose(1, 2).reshape(B * T, -1)]
         )
         x = x + linear(attention.o_proj, out)
-        h = rms_norm(x, layer.post_attention_layernorm)
-        x = x + linear(mlp.down_proj, mlp.act_fn(linear(mlp.gate_proj, h)) * linear(mlp.up_proj, h))
+        x = x + mlp_output(layer.mlp, rms_norm(x, layer.post_attention_layernorm))
     return linear(inner.lm_head, rms_norm(x[n:], base.norm)).view(B, T, -1)
