@@ -483,10 +483,8 @@ def shared_prompt_logits(
     ).unsqueeze(1)
     for layer in base.layers[: inner.config.num_hidden_layers]:
         attention = layer.self_attn
-        q, k, v = attention_inputs(
-            attention, rms_norm(x, layer.input_layernorm)
-        )  # [n + B T, heads, head_dim]
-        # [rows, heads, tokens, head_dim] per set
+        # [n + B T, heads, head_dim], then [rows, heads, tokens, head_dim] per set
+        q, k, v = attention_inputs(attention, rms_norm(x, layer.input_layernorm))
         prompt_q, prompt_k, prompt_v = (t[:n].view(D, L, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
         row_q, row_k, row_v = (t[n:].view(B, T, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
         prompt_q, prompt_k = rotate(prompt_q, *prompt_rotary), rotate(prompt_k, *prompt_rotary)
