@@ -454,7 +454,8 @@ def shared_prompt_logits(
     but its last token. Every product runs once over both sets' rows (``D (P - 1) + B T``); attention runs per set:
     a prompt token attends to the prompt's earlier tokens, a row's token to its prompt's tokens (their keys and
     values gathered to the row) and the row's own earlier ones, the prompt's padding masked out. Gradients reach the
-    shared prompt tokens from every row that attends to them, as through ``B`` copies. Rotary embeddings come from
+    shared prompt tokens from every row that attends to them, as through ``B`` copies. In the last layer the prompt
+    tokens stop after their keys and values (their outputs reach no logit). Rotary embeddings come from
     one call of the model's ``rotary_emb`` at every position (a 'dynamic' RoPE then rescales as in the model's
     forward over whole rows).
     """
@@ -481,17 +482,15 @@ def shared_prompt_logits(
     row_attends = torch.cat(
         [keep[row_to_prompt, None, :].expand(B, T, L), own.expand(B, T, T)], dim=2
     ).unsqueeze(1)
-    for layer in base.layers[: inner.config.num_hidden_layers]:
+    layers = base.layers[: inner.config.num_hidden_layers]
+    for index, layer in enumerate(layers):
         attention = layer.self_attn
         # [n + B T, heads, head_dim], then [rows, heads, tokens, head_dim] per set
         q, k, v = attention_inputs(attention, rms_norm(x, layer.input_layernorm))
         prompt_q, prompt_k, prompt_v = (t[:n].view(D, L, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
         row_q, row_k, row_v = (t[n:].view(B, T, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
-        prompt_q, prompt_k = rotate(prompt_q, *prompt_rotary), rotate(prompt_k, *prompt_rotary)
+        prompt_k = rotate(prompt_k, *prompt_rotary)
         row_q, row_k = rotate(row_q, *row_rotary), rotate(row_k, *row_rotary)
-        prompt_out = F.scaled_dot_product_attention(
-            prompt_q, prompt_k, prompt_v, attn_mask=prompt_attends, scale=attention.scaling, enable_gqa=True
-        )
         row_out = F.scaled_dot_product_attention(
             row_q,
             torch.cat([prompt_k[row_to_prompt], row_k], dim=2),
@@ -500,9 +499,20 @@ def shared_prompt_logits(
             scale=attention.scaling,
             enable_gqa=True,
         )
-        out = torch.cat(
-            [prompt_out.transpose(1, 2).reshape(n, -1), row_out.transpose(1, 2).reshape(B * T, -1)]
-        )
-        x = x + linear(attention.o_proj, out)
+        row_out = row_out.transpose(1, 2).reshape(B * T, -1)
+        if index == len(layers) - 1:
+            # In the last layer the prompt tokens reach the logits only through their keys and values: their
+            # attention, o_proj and MLP would be computed (and differentiated) for nothing.
+            x = x[n:] + linear(attention.o_proj, row_out)
+        else:
+            prompt_out = F.scaled_dot_product_attention(
+                rotate(prompt_q, *prompt_rotary),
+                prompt_k,
+                prompt_v,
+                attn_mask=prompt_attends,
+                scale=attention.scaling,
+                enable_gqa=True,
+            )
+            x = x + linear(attention.o_proj, torch.cat([prompt_out.transpose(1, 2).reshape(n, -1), row_out]))
         x = x + mlp_output(layer.mlp, rms_norm(x, layer.post_attention_layernorm))
-    return linear(inner.lm_head, rms_norm(x[n:], base.norm)).view(B, T, -1)
+    return linear(inner.lm_head, rms_norm(x, base.norm)).view(B, T, -1)
