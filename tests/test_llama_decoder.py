@@ -599,6 +599,31 @@ def test_shared_prompt_logits_and_gradients_equal_each_rows_own_forward(build):
         torch.testing.assert_close(grad, expected_grads[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
+@torch.no_grad()
+def test_shared_prompt_logits_run_the_last_layer_past_its_keys_and_values_for_the_rows_only(monkeypatch):
+    """The products' rows: every layer's queries, keys and values over both sets (each distinct prompt but its last
+    token once, then every row's T tokens), and the rest of every layer but the last too; the last layer's o_proj
+    and MLP and the head over the rows' tokens alone (the prompt tokens' outputs there reach no logit)."""
+    model = qwen2()
+    case = training_case(model)  # prompts of 5, 9 and 2 tokens padded to 9, 7 rows of 6 tokens
+    both, rows = 3 * 8 + 7 * 6, 7 * 6
+    seen = []
+    real_linear = torch.nn.functional.linear
+    monkeypatch.setattr(
+        torch.nn.functional,
+        "linear",
+        lambda x, weight, bias=None: seen.append((weight, x.shape[0])) or real_linear(x, weight, bias),
+    )
+    shared_prompt_logits(model, *case)
+    names = {p: name.removesuffix(".weight") for name, p in model.named_parameters()}
+    counted = {names[weight]: count for weight, count in seen}
+    assert len(counted) == len(seen) == 7 * model.config.num_hidden_layers + 1
+    for name, count in counted.items():
+        last = name.startswith(f"model.layers.{model.config.num_hidden_layers - 1}.")
+        before_attention = name.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj")
+        assert count == (rows if name == "lm_head" or (last and not before_attention) else both), name
+
+
 def test_shared_prompt_logits_rescale_a_dynamic_rope_over_every_position_at_once():
     """A 'dynamic' RoPE rescales once positions pass the original 8: the one pass asks rotary_emb for every position
     together, as the model's forward over whole rows does (a prompt-then-rows pass would rotate the prompt's keys
