@@ -54,19 +54,20 @@ def generate(model, prompt_ids, prompt_mask, eos_token_id, plain, G=NUM_GENERATI
     with torch.no_grad():  # sampling needs no graph
         cache_argument = _cache_argument(model)
         positions = (prompt_mask.cumsum(1) - 1).clamp(min=0)
-        cache = DynamicCache(config=model.config)
-        logits = model(
-            input_ids=prompt_ids,
-            attention_mask=prompt_mask,
-            position_ids=positions,
-            **{cache_argument: cache},
-            use_cache=True,
-            logits_to_keep=1,
-        ).logits[:, -1]
         if plain:
+            cache = DynamicCache(config=model.config)
+            logits = model(
+                input_ids=prompt_ids,
+                attention_mask=prompt_mask,
+                position_ids=positions,
+                **{cache_argument: cache},
+                use_cache=True,
+                logits_to_keep=1,
+            ).logits[:, -1]
             cache.batch_repeat_interleave(G)
         else:
-            decoder = LlamaDecoder(model, cache, prompt_mask, G, T)
+            decoder = LlamaDecoder(model, prompt_mask, G, T)
+            logits = decoder.prefill(prompt_ids)
         logits = logits.repeat_interleave(G, dim=0)
         rows, P = logits.shape[0], prompt_ids.shape[1]
         attention = torch.cat([prompt_mask.repeat_interleave(G, dim=0), prompt_mask.new_ones(rows, T)], dim=1)

@@ -156,11 +156,9 @@ def forward_logits(model, ids, mask, G, continuation):
 
 
 def decoder_logits(model, ids, mask, G, continuation):
-    positions = (mask.cumsum(1) - 1).clamp(min=0)
-    cache = DynamicCache(config=model.config)
-    first = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
-    decoder = LlamaDecoder(model, cache, mask, G, continuation.shape[1])
-    steps = [first.logits[:, -1].repeat_interleave(G, 0)]
+    """The same logits from the decoder: its prefill, then a step per token of ``continuation``."""
+    decoder = LlamaDecoder(model, mask, G, continuation.shape[1])
+    steps = [decoder.prefill(ids).repeat_interleave(G, 0)]
     steps += [decoder.next_logits(continuation[:, t]) for t in range(continuation.shape[1])]
     return torch.stack(steps, 1)
 
@@ -216,16 +214,14 @@ def test_rotary_cos_and_sin_are_made_once_per_call_unless_the_rope_is_dynamic(
     ids, mask = left_padded([5, 3], model.config.vocab_size)
     continuation = torch.randint(model.config.vocab_size, (4, 5), generator=torch.Generator().manual_seed(5))
     expected = forward_logits(model, ids, mask, 2, continuation)
-    positions = (mask.cumsum(1) - 1).clamp(min=0)
-    cache = DynamicCache(config=model.config)
-    first = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache, use_cache=True)
-    decoder = LlamaDecoder(model, cache, mask, 2, continuation.shape[1])
+    decoder = LlamaDecoder(model, mask, 2, continuation.shape[1])
+    first = decoder.prefill(ids)  # one rotary_emb call of its own, at the prompts' positions
     rotary_emb, asked = model.model.rotary_emb, []
     forward = rotary_emb.forward
     monkeypatch.setattr(
         rotary_emb, "forward", lambda x, position_ids: asked.append(1) or forward(x, position_ids)
     )
-    steps = [first.logits[:, -1].repeat_interleave(2, 0)]
+    steps = [first.repeat_interleave(2, 0)]
     steps += [decoder.next_logits(continuation[:, t]) for t in range(continuation.shape[1])]
     assert len(asked) == calls
     torch.testing.assert_close(torch.stack(steps, 1), expected, atol=2e-5, rtol=1e-5)

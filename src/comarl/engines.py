@@ -282,7 +282,7 @@ def sample_completions(
     ``generator`` (torch's global stream when None), or with ``seeds`` (one per prompt) from
     :func:`seeded_draws`, which makes a prompt's samples independent of the other prompts of the call. Logits
     that are NaN or infinite (a model that overflowed) make the call raise once decoding ends. With
-    ``fast_decoding``, a model that :func:`comarl.llama_decoder.unsupported_reason` accepts decodes through
+    ``fast_decoding``, a model that :func:`comarl.llama_decoder.unsupported_reason` accepts prefills and decodes through
     :class:`~comarl.llama_decoder.LlamaDecoder` (the same logits without the forward's per-step overhead); any
     other model, or ``fast_decoding=False``, through its own forward.
     """
@@ -292,22 +292,23 @@ def sample_completions(
     device = prompt_ids.device
     eos = torch.tensor(list(eos_token_ids), device=device)
     positions = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
-    cache = DynamicCache(config=model.config)
-    logits = model(
-        input_ids=prompt_ids,
-        attention_mask=prompt_mask,
-        position_ids=positions,
-        use_cache=True,
-        logits_to_keep=1,
-        **{CACHE_ARGUMENT: cache},
-    ).logits[:, -1]
-    check_cache_filled(cache, model)
     decoder = None
     if fast_decoding and unsupported_reason(model) is None:
-        decoder = LlamaDecoder(model, cache, prompt_mask, G, T)  # holds the cache G times over
-        del cache
-    elif G > 1:
-        cache.batch_repeat_interleave(G)
+        decoder = LlamaDecoder(model, prompt_mask, G, T)
+        logits = decoder.prefill(prompt_ids)  # its buffers hold the prompts' keys and values G times over
+    else:
+        cache = DynamicCache(config=model.config)
+        logits = model(
+            input_ids=prompt_ids,
+            attention_mask=prompt_mask,
+            position_ids=positions,
+            use_cache=True,
+            logits_to_keep=1,
+            **{CACHE_ARGUMENT: cache},
+        ).logits[:, -1]
+        check_cache_filled(cache, model)
+        if G > 1:
+            cache.batch_repeat_interleave(G)
     logits = logits.repeat_interleave(G, dim=0)
     rows, P = logits.shape[0], prompt_ids.shape[1]
     # The whole attention mask up front; step t attends to the prompt and the t tokens before it.

@@ -6,7 +6,8 @@ Decoding a few rows at a time, ``model(input_ids=..., cache=...)`` spends a thir
 matrix products: a causal mask built per step, the KV cache grown by ``cat``, module calls and shape checks
 (``docs/benchmarks.md``). :class:`LlamaDecoder` runs the same layers from the model's own weights, operation for
 operation as the forward with its default SDPA attention (RMSNorm in fp32, rotary embeddings from the model's
-``rotary_emb``, SDPA, the model's activation), with a KV buffer per layer allocated once and written in place.
+``rotary_emb``, SDPA, the model's activation), with a KV buffer per layer allocated once and written in place; its prefill runs the prompts through the same
+layers.
 It stands in for the forward only where :func:`unsupported_reason` finds nothing that the step would leave out; any other model
 (FSDP shards, hooks, sliding-window layers, peft adapters other than LoRA, another architecture) decodes through
 its own forward. A projection that is not a plain ``nn.Linear`` (a LoRA layer, a quantized one) is called as the
@@ -319,16 +320,17 @@ def packed_linear(layer: torch.nn.Linear, packed: torch.Tensor, x: torch.Tensor)
 class LlamaDecoder:
     """Next-token logits of ``B * G`` rows, one new token per call, after a prefill of ``B`` left-padded prompts.
 
-    Row ``b * G + j`` continues prompt b. The prefill's KV cache is copied once into per-layer buffers
-    ``[B * G, kv_heads, P + max_new_tokens, head_dim]``; each step writes its keys and values at position
-    ``P + t`` and attends to the first ``P + t + 1`` positions, the prompt's padding masked out.
+    Row ``b * G + j`` continues prompt b. :meth:`prefill` runs the prompts through the same layers and writes their
+    keys and values once into per-layer buffers ``[B * G, kv_heads, P + max_new_tokens, head_dim]`` (each prompt's
+    for its G rows); each step writes its keys and values at position ``P + t`` and attends to the first
+    ``P + t + 1`` positions, the prompt's padding masked out.
     Rotary positions follow the attention mask, as in :func:`comarl.engines.sample_completions`. On the CPU in
     fp32 its products are plain or from packed weights, as :func:`packing_pays` says; where it has no answer yet,
     this decoder finds one by timing both ways in its first steps (:meth:`trial_step`).
     """
 
     def __init__(
-        self, model: Any, cache: Any, prompt_mask: torch.Tensor, num_generations: int, max_new_tokens: int
+        self, model: Any, prompt_mask: torch.Tensor, num_generations: int, max_new_tokens: int
     ) -> None:
         self.model = model = causal_lm(model)
         self.layers = model.model.layers[: model.config.num_hidden_layers]
@@ -343,13 +345,10 @@ class LlamaDecoder:
         # The trial's step times with plain and with packed products, and its packing time.
         self.trial_seconds: tuple[list[float], list[float], list[float]] = ([], [], [])
         self.rows, self.prompt_length, self.step = B * G, P, 0
-        self.keys, self.values = [], []
-        for layer in cache.layers:
-            for prompt_kv, buffers in ((layer.keys, self.keys), (layer.values, self.values)):
-                _, heads, _, head_dim = prompt_kv.shape
-                buffer = prompt_kv.new_empty(B, G, heads, P + T, head_dim)
-                buffer[:, :, :, :P] = prompt_kv[:, None]
-                buffers.append(buffer.view(B * G, heads, P + T, head_dim))
+        self.num_generations = G
+        self.prompt_mask = prompt_mask
+        self.keys: list[torch.Tensor] = []  # per layer, [B * G, kv_heads, P + T, head_dim], made by prefill
+        self.values: list[torch.Tensor] = []
         keep = torch.cat([prompt_mask.bool(), prompt_mask.new_ones(B, T, dtype=torch.bool)], dim=1)
         # [rows, 1, 1, P + T]: SDPA's boolean mask, True where a row may attend
         self.keep = keep.repeat_interleave(G, dim=0)[:, None, None, :]
@@ -380,6 +379,43 @@ class LlamaDecoder:
             self.rotary = cos[:, None], signed_sin(sin[:, None])
         cos, sin = self.rotary
         return cos[:, :, t : t + 1], sin[:, :, t : t + 1]
+
+    @torch.no_grad()
+    def prefill(self, prompt_ids: torch.Tensor) -> torch.Tensor:
+        """Next-token logits ``[B, V]`` after each prompt ``prompt_ids[B, P]``, its keys and values written to its G
+        rows' buffers. The forward's operations over the prompts (a token attends to its prompt's earlier tokens,
+        the padding masked out; rotary embeddings from one ``rotary_emb`` call at the prompts' positions), but the
+        last layer, whose output reaches the logits only at the last position, runs past its keys and values for
+        that position alone. Products are plain (:func:`linear`): many rows, where packing does not pay."""
+        base, G = self.model.model, self.num_generations
+        B, P = prompt_ids.shape
+        T = self.max_new_tokens
+        positions = (self.prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
+        x = embed(base.embed_tokens, prompt_ids)  # [B, P, hidden]
+        cos, sin = base.rotary_emb(x, positions)
+        cos, sin = cos[:, None], signed_sin(sin[:, None])  # [B, 1, P, head_dim]
+        keep = self.prompt_mask.bool()
+        causal = torch.ones(P, P, dtype=torch.bool, device=keep.device).tril()
+        # [B, 1, P, P], True where a query may attend; a padding query attends to nothing (SDPA gives it zeros)
+        attends = (causal & keep[:, None, :])[:, None]
+        for index, layer in enumerate(self.layers):
+            attention = layer.self_attn
+            q, k, v = attention_inputs(attention, rms_norm(x, layer.input_layernorm))
+            q, k, v = q.transpose(1, 2), rotate(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+            for prompt_kv, buffers in ((k, self.keys), (v, self.values)):
+                _, heads, _, head_dim = prompt_kv.shape
+                buffer = prompt_kv.new_empty(B, G, heads, P + T, head_dim)
+                buffer[:, :, :, :P] = prompt_kv[:, None]
+                buffers.append(buffer.view(B * G, heads, P + T, head_dim))
+            # the queries and residuals that go on: the last layer's at the last position alone
+            at = slice(P - 1, P) if index == len(self.layers) - 1 else slice(0, P)
+            x, q = x[:, at], rotate(q[:, :, at], cos[:, :, at], sin[:, :, at])
+            out = F.scaled_dot_product_attention(
+                q, k, v, attn_mask=attends[:, :, at], scale=attention.scaling, enable_gqa=True
+            )
+            x = x + linear(attention.o_proj, out.transpose(1, 2).reshape(*x.shape[:2], -1))
+            x = x + mlp_output(layer.mlp, rms_norm(x, layer.post_attention_layernorm))
+        return linear(self.model.lm_head, rms_norm(x, base.norm))[:, -1]
 
     @torch.no_grad()
     def next_logits(self, token_ids: torch.Tensor) -> torch.Tensor:
