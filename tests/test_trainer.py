@@ -230,6 +230,74 @@ def test_zero_advantage_fraction_explains_a_zero_loss(qwen_bpe):
     assert metrics["agent_0/loss"] == 0.0 and metrics["agent_0/grad_norm"] == 0.0
 
 
+@pytest.mark.parametrize("beta", [0.0, 0.1], ids=["no-kl", "kl-in-the-loss"])
+def test_rows_of_advantage_zero_are_not_run_and_the_updates_are_the_whole_batchs(qwen_bpe, monkeypatch, beta):
+    """A row of advantage 0 adds nothing to the loss or its gradient: the update runs the others alone (all of
+    them when a KL term is in the loss), with the gradients and metrics of a run over every row; with every
+    advantage 0, one row at weight 0 gives every weight its zero gradient, so AdamW still steps (on its
+    momentum) as it would over the whole batch."""
+    import comarl.trainers.magrpo as magrpo
+
+    agent = Agent.from_pretrained(qwen_bpe)
+    gen = HFEngine().generate(
+        agent, ["alice and bob", "the agents meet at"], 3, SamplingParams(max_new_tokens=4)
+    )
+    steps = [torch.tensor([0.0, 0.0, 0.0, 1.0, -0.5, -0.5]), torch.zeros(6)]
+
+    def two_steps(every_row: bool):
+        trainer = MAGRPOTrainer(
+            model=qwen_bpe,
+            num_agents=1,
+            train_dataset=DATA,
+            reward_func=length_reward,
+            args=small_args(beta=beta, micro_batch_size=2, learning_rate=1e-2),
+        )
+        if every_row:
+            monkeypatch.setattr(
+                magrpo, "learned_batches", lambda adv, ref, rows: list(torch.arange(len(adv)).split(rows))
+            )
+        model, ran, grads = trainer.team[0].model, [], []
+        scoring, apply = trainer.team[0].completion_logprobs, trainer._apply_gradients
+
+        def recording(prompt_ids, *rest, **kw):
+            ran.append(prompt_ids.shape[0])
+            return scoring(prompt_ids, *rest, **kw)
+
+        def capture(i):
+            grads.append([None if p.grad is None else p.grad.clone() for p in model.parameters()])
+            return apply(i)
+
+        trainer.team[0].completion_logprobs, trainer._apply_gradients = recording, capture
+        results = []
+        for advantages in steps:
+            ran.clear()
+            before = [p.detach().clone() for p in model.parameters()]
+            metrics = trainer.update_agent(0, gen, advantages)
+            moved = not all(torch.equal(a, p) for a, p in zip(before, model.parameters()))
+            results.append((list(ran), metrics, grads[-1], moved))
+        monkeypatch.undo()
+        return results
+
+    skipping, every_row = two_steps(every_row=False), two_steps(every_row=True)
+    for (ran, metrics, grads, moved), (ran_all, metrics_all, grads_all, _), advantages in zip(
+        skipping, every_row, steps
+    ):
+        assert ran_all == [2, 2, 2] + [2, 2, 2] * (beta > 0)  # the KL's reference pass, then the loss's
+        if beta > 0:
+            assert ran == ran_all
+        else:
+            assert ran == ([2, 1] if advantages.any() else [1])  # rows 3-5; the zero-weight row alone
+        assert metrics.keys() == metrics_all.keys()
+        for key in metrics:
+            assert metrics[key] == pytest.approx(metrics_all[key], rel=1e-5, abs=1e-9), key
+        assert all(g is not None for g in grads) and all(g is not None for g in grads_all)
+        for a, b in zip(grads, grads_all):
+            torch.testing.assert_close(a, b, atol=1e-7, rtol=1e-4)
+        assert moved  # the second step too: AdamW's momentum
+    if beta == 0:  # every advantage 0 and no KL term: a zero gradient for every weight
+        assert all(not g.any() for g in skipping[1][2])
+
+
 def test_mask_truncated_completions_leaves_cut_completions_out_of_the_loss(qwen_bpe):
     """A completion cut by max_new_tokens (no EOS) adds no gradient and no token to dapo's mean when masked."""
     import dataclasses

@@ -82,6 +82,22 @@ from comarl.rollout import (
 )
 
 
+def learned_batches(
+    advantages: torch.Tensor, reference: torch.Tensor | None, rows: int
+) -> list[torch.Tensor]:
+    """The rows of the policy loss's micro-batches (``rows`` at most in each), in order: every row whose advantage
+    is not 0, and every row where a KL term is in the loss (``reference`` log-probs given).
+
+    A row of advantage 0 adds 0 to the clipped surrogate, to its gradient and to the clip fraction at any ratio
+    (``-min(r * 0, clip(r) * 0)``), and the loss's normalisers count it from the whole batch, so leaving it out
+    changes nothing but the time: every sample of a group that scored alike (pass/fail rewards often do) has
+    advantage 0 under a group baseline."""
+    kept = torch.arange(advantages.shape[0])
+    if reference is None:
+        kept = kept[(advantages != 0).reshape(advantages.shape[0], -1).any(dim=1).cpu()]
+    return [kept[s : s + rows] for s in range(0, len(kept), rows)]
+
+
 class MAGRPOTrainer:
     """Multi-agent GRPO: group-relative advantages per agent from a joint (or per-agent) reward.
 
@@ -716,7 +732,7 @@ class MAGRPOTrainer:
             # The loss is normalised over the whole batch: every process's completions under data parallelism.
             size = (M, gen.num_tokens, float(adv.abs().sum()), int(scored.sum()), int(cut.sum()))
             sizes[i] = size if self.data is None else tuple(map(sum, zip(*self.data.gather(size))))
-            prepared[i] = (batches, old, ref, adv, scored, sizes[i][0], sizes[i][3])
+            prepared[i] = (learned_batches(adv, ref, micro), old, ref, adv, scored, sizes[i][0], sizes[i][3])
         for _ in range(args.num_iterations):
             # metrics of the last iteration
             totals = {i: self._backward(i, gens[i], *prepared[i]) for i in agents}
@@ -761,7 +777,7 @@ class MAGRPOTrainer:
         self,
         i: int,
         gen: Generation,
-        batches: list[slice],
+        batches: list[torch.Tensor],
         old: torch.Tensor | None,
         ref: torch.Tensor | None,
         advantages: torch.Tensor,
@@ -769,12 +785,14 @@ class MAGRPOTrainer:
         M: int,
         num_tokens: int,
     ) -> dict[str, float]:
-        """Back-propagate agent ``i``'s clipped policy loss (+ KL), one micro-batch at a time, over the tokens
-        ``scored`` (``loss_mask``); ``M`` completions and ``num_tokens`` scored tokens in the whole batch are the
-        loss's normalisers."""
+        """Back-propagate agent ``i``'s clipped policy loss (+ KL), one micro-batch at a time (``batches``: their
+        rows, :func:`learned_batches`), over the tokens ``scored`` (``loss_mask``); ``M`` completions and
+        ``num_tokens`` scored tokens in the whole batch are the loss's normalisers."""
         args, agent = self.agent_args[i], self.team[i]
         totals = {"loss": 0.0, "clip_fraction": 0.0} | ({} if ref is None else {"kl": 0.0})
-        for sl, real in self._padded(i, batches, filler=slice(0, 1)):
+        # No row to learn from (learned_batches): one row at weight 0 still gives every weight its zero gradient, so
+        # that AdamW steps as it would on the whole batch (its moments decay, the weights move by their momentum).
+        for sl, real in self._padded(i, batches, filler=slice(0, 1)) or [(slice(0, 1), False)]:
             mask = scored[sl]
             with self._autocast(i):
                 logp = agent.completion_logprobs(
