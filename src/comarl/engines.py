@@ -282,9 +282,9 @@ def sample_completions(
     ``generator`` (torch's global stream when None), or with ``seeds`` (one per prompt) from
     :func:`seeded_draws`, which makes a prompt's samples independent of the other prompts of the call. Logits
     that are NaN or infinite (a model that overflowed) make the call raise once decoding ends. With
-    ``fast_decoding``, a model that :func:`comarl.llama_decoder.unsupported_reason` accepts prefills and decodes through
-    :class:`~comarl.llama_decoder.LlamaDecoder` (the same logits without the forward's per-step overhead); any
-    other model, or ``fast_decoding=False``, through its own forward.
+    ``fast_decoding``, a model that :func:`comarl.llama_decoder.unsupported_reason` accepts prefills and decodes
+    through :class:`~comarl.llama_decoder.LlamaDecoder` (the same logits without the forward's per-step overhead);
+    any other model, or ``fast_decoding=False``, through its own forward.
     """
     from transformers import DynamicCache
 

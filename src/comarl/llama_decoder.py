@@ -6,8 +6,8 @@ Decoding a few rows at a time, ``model(input_ids=..., cache=...)`` spends a thir
 matrix products: a causal mask built per step, the KV cache grown by ``cat``, module calls and shape checks
 (``docs/benchmarks.md``). :class:`LlamaDecoder` runs the same layers from the model's own weights, operation for
 operation as the forward with its default SDPA attention (RMSNorm in fp32, rotary embeddings from the model's
-``rotary_emb``, SDPA, the model's activation), with a KV buffer per layer allocated once and written in place; its prefill runs the prompts through the same
-layers.
+``rotary_emb``, SDPA, the model's activation), with a KV buffer per layer allocated once and written in place;
+its prefill runs the prompts through the same layers.
 It stands in for the forward only where :func:`unsupported_reason` finds nothing that the step would leave out; any other model
 (FSDP shards, hooks, sliding-window layers, peft adapters other than LoRA, another architecture) decodes through
 its own forward. A projection that is not a plain ``nn.Linear`` (a LoRA layer, a quantized one) is called as the
@@ -206,6 +206,15 @@ def mlp_output(
     return product(mlp.down_proj, mlp.act_fn(product(mlp.gate_proj, h)) * product(mlp.up_proj, h))
 
 
+def causal_prompt_mask(prompt_mask: torch.Tensor) -> torch.Tensor:
+    """SDPA's boolean mask ``[B, 1, P, P]`` over left-padded prompts ``prompt_mask[B, P]``: True where a token may
+    attend, to its prompt's tokens up to itself, the padding masked out. A padding query attends to nothing: SDPA
+    gives it zeros (torch >= 2.6, as transformers' own masks rely on), and no real token attends to it."""
+    P = prompt_mask.shape[1]
+    causal = torch.ones(P, P, dtype=torch.bool, device=prompt_mask.device).tril()
+    return (causal & prompt_mask.bool()[:, None, :])[:, None]
+
+
 def rope_fixed_by_position(rotary_emb: Any) -> bool:
     """Whether ``rotary_emb`` gives each position the same cos and sin whatever else it is asked for: every RoPE
     type but 'dynamic' ones and 'longrope', which rescale by the largest position of the call."""
@@ -394,10 +403,7 @@ class LlamaDecoder:
         x = embed(base.embed_tokens, prompt_ids)  # [B, P, hidden]
         cos, sin = base.rotary_emb(x, positions)
         cos, sin = cos[:, None], signed_sin(sin[:, None])  # [B, 1, P, head_dim]
-        keep = self.prompt_mask.bool()
-        causal = torch.ones(P, P, dtype=torch.bool, device=keep.device).tril()
-        # [B, 1, P, P], True where a query may attend; a padding query attends to nothing (SDPA gives it zeros)
-        attends = (causal & keep[:, None, :])[:, None]
+        attends = causal_prompt_mask(self.prompt_mask)
         for index, layer in enumerate(self.layers):
             attention = layer.self_attn
             q, k, v = attention_inputs(attention, rms_norm(x, layer.input_layernorm))
@@ -509,11 +515,9 @@ def shared_prompt_logits(
     cos, sin = cos[0], signed_sin(sin[0])  # [n + B T, head_dim]
     prompt_rotary = cos[:n].view(D, 1, L, -1), sin[:n].view(D, 1, L, -1)
     row_rotary = cos[n:].view(B, 1, T, -1), sin[n:].view(B, 1, T, -1)
-    # SDPA's boolean masks, True where a query may attend. A padding query attends to nothing: SDPA gives it zeros
-    # (torch >= 2.6, as transformers' own masks rely on), and no real token attends to it.
+    # SDPA's boolean masks, True where a query may attend (padding queries attend to nothing: causal_prompt_mask).
     keep = prompt_mask[:, :L].bool()
-    causal = torch.ones(L, L, dtype=torch.bool, device=keep.device).tril()
-    prompt_attends = (causal & keep[:, None, :])[:, None]
+    prompt_attends = causal_prompt_mask(prompt_mask[:, :L])
     own = torch.ones(T, T, dtype=torch.bool, device=keep.device).tril()
     row_attends = torch.cat(
         [keep[row_to_prompt, None, :].expand(B, T, L), own.expand(B, T, T)], dim=2
