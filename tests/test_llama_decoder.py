@@ -595,6 +595,30 @@ def test_shared_prompt_logits_and_gradients_equal_each_rows_own_forward(build):
         torch.testing.assert_close(grad, expected_grads[name], atol=1e-5, rtol=1e-4, msg=name)
 
 
+def product_rows(monkeypatch, model) -> dict[str, int]:
+    """Each weight's name -> the rows its ``F.linear`` products saw, recorded until the test ends."""
+    seen, real_linear = {}, torch.nn.functional.linear
+    names = {p: name.removesuffix(".weight") for name, p in model.named_parameters()}
+
+    def recording(x, weight, bias=None):
+        seen[names[weight]] = seen.get(names[weight], 0) + x.reshape(-1, x.shape[-1]).shape[0]
+        return real_linear(x, weight, bias)
+
+    monkeypatch.setattr(torch.nn.functional, "linear", recording)
+    return seen
+
+
+def assert_last_layer_cut(seen: dict[str, int], model, every: int, last: int) -> None:
+    """``seen`` (:func:`product_rows`) holds every weight of ``model``: each layer's q/k/v and all but the last
+    layer's other projections over ``every`` rows, the last layer's o_proj and MLP and the head over ``last``."""
+    last_layer = f"model.layers.{model.config.num_hidden_layers - 1}."
+    assert len(seen) == 7 * model.config.num_hidden_layers + 1
+    for name, count in seen.items():
+        before_attention = name.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj")
+        cut = name == "lm_head" or (name.startswith(last_layer) and not before_attention)
+        assert count == (last if cut else every), name
+
+
 @torch.no_grad()
 def test_shared_prompt_logits_run_the_last_layer_past_its_keys_and_values_for_the_rows_only(monkeypatch):
     """The products' rows: every layer's queries, keys and values over both sets (each distinct prompt but its last
@@ -603,21 +627,21 @@ def test_shared_prompt_logits_run_the_last_layer_past_its_keys_and_values_for_th
     model = qwen2()
     case = training_case(model)  # prompts of 5, 9 and 2 tokens padded to 9, 7 rows of 6 tokens
     both, rows = 3 * 8 + 7 * 6, 7 * 6
-    seen = []
-    real_linear = torch.nn.functional.linear
-    monkeypatch.setattr(
-        torch.nn.functional,
-        "linear",
-        lambda x, weight, bias=None: seen.append((weight, x.shape[0])) or real_linear(x, weight, bias),
-    )
+    seen = product_rows(monkeypatch, model)
     shared_prompt_logits(model, *case)
-    names = {p: name.removesuffix(".weight") for name, p in model.named_parameters()}
-    counted = {names[weight]: count for weight, count in seen}
-    assert len(counted) == len(seen) == 7 * model.config.num_hidden_layers + 1
-    for name, count in counted.items():
-        last = name.startswith(f"model.layers.{model.config.num_hidden_layers - 1}.")
-        before_attention = name.rsplit(".", 1)[-1] in ("q_proj", "k_proj", "v_proj")
-        assert count == (rows if name == "lm_head" or (last and not before_attention) else both), name
+    assert_last_layer_cut(seen, model, every=both, last=rows)
+
+
+@torch.no_grad()
+def test_the_prefill_runs_the_last_layer_past_its_keys_and_values_for_the_last_token_only(monkeypatch):
+    """The decoder's prefill: every layer's queries, keys and values over every prompt position, the rest of every
+    layer but the last too; the last layer's o_proj and MLP and the head at each prompt's last position alone."""
+    model = qwen2()
+    ids, mask = left_padded([5, 3, 7], model.config.vocab_size)
+    decoder = LlamaDecoder(model, mask, 2, 4)
+    seen = product_rows(monkeypatch, model)
+    decoder.prefill(ids)
+    assert_last_layer_cut(seen, model, every=3 * 7, last=3)
 
 
 def test_shared_prompt_logits_rescale_a_dynamic_rope_over_every_position_at_once():
