@@ -18,6 +18,7 @@ machine found that faster (:func:`packing_pays`).
 
 from __future__ import annotations
 
+import math
 import platform
 import sys
 import time
@@ -358,9 +359,7 @@ class LlamaDecoder:
         self.prompt_mask = prompt_mask
         self.keys: list[torch.Tensor] = []  # per layer, [B * G, kv_heads, P + T, head_dim], made by prefill
         self.values: list[torch.Tensor] = []
-        keep = torch.cat([prompt_mask.bool(), prompt_mask.new_ones(B, T, dtype=torch.bool)], dim=1)
-        # [rows, 1, 1, P + T]: SDPA's boolean mask, True where a row may attend
-        self.keep = keep.repeat_interleave(G, dim=0)[:, None, None, :]
+        self.attend_bias: torch.Tensor | None = None  # the decode steps' SDPA mask, made by prefill
         last = (prompt_mask.sum(dim=1, keepdim=True) - 1).clamp(min=0)
         self.first_position = last.repeat_interleave(G, dim=0) + 1  # [rows, 1]
         self.max_new_tokens = T
@@ -421,6 +420,11 @@ class LlamaDecoder:
             )
             x = x + linear(attention.o_proj, out.transpose(1, 2).reshape(*x.shape[:2], -1))
             x = x + mlp_output(layer.mlp, rms_norm(x, layer.post_attention_layernorm))
+        # The decode steps' mask [rows, 1, 1, P + T]: 0 where a row may attend, -inf at its prompt's padding;
+        # additive (SDPA turns a boolean mask into this at every call) and in the keys' dtype, as its kernels want.
+        keep = torch.cat([self.prompt_mask.bool(), self.prompt_mask.new_ones(B, T, dtype=torch.bool)], dim=1)
+        bias = torch.zeros(keep.shape, dtype=k.dtype, device=k.device).masked_fill_(~keep, -math.inf)
+        self.attend_bias = bias.repeat_interleave(G, dim=0)[:, None, None, :]
         return linear(self.model.lm_head, rms_norm(x, base.norm))[:, -1]
 
     @torch.no_grad()
@@ -455,28 +459,33 @@ class LlamaDecoder:
         return logits
 
     def decode_step(self, token_ids: torch.Tensor) -> torch.Tensor:
-        """:meth:`next_logits` through this step's products (:meth:`linear`)."""
+        """:meth:`next_logits` through this step's products (:meth:`linear`).
+
+        One token per row, so the hidden states stay ``[rows, hidden]`` (no sequence dimension to view away around
+        every product), and the queries of the heads that share a key-value head are that head's queries at one
+        position: ``[rows, kv_heads, heads / kv_heads, head_dim]``, one SDPA without repeating keys for GQA."""
         base, rows, n = self.model.model, self.rows, self.prompt_length + self.step + 1
-        x = embed(base.embed_tokens, token_ids)[:, None]  # [rows, 1, hidden]
+        x = embed(base.embed_tokens, token_ids)  # [rows, hidden]
         cos, sin = self.rotary_embedding(x)  # [rows, 1, 1, head_dim]
         for i, layer in enumerate(self.layers):
             attention, mlp = layer.self_attn, layer.mlp
+            keys, values = self.keys[i], self.values[i]
+            kv_heads = keys.shape[1]
+            # [rows, heads, head_dim] each
             q, k, v = attention_inputs(attention, rms_norm(x, layer.input_layernorm), self.linear)
-            q, k, v = q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2)
-            self.keys[i][:, :, n - 1 : n] = rotate(k, cos, sin)
-            self.values[i][:, :, n - 1 : n] = v
+            keys[:, :, n - 1 : n] = rotate(k[:, :, None], cos, sin)
+            values[:, :, n - 1 : n] = v[:, :, None]
             out = F.scaled_dot_product_attention(
-                rotate(q, cos, sin),
-                self.keys[i][:, :, :n],
-                self.values[i][:, :, :n],
-                attn_mask=self.keep[..., :n],
+                rotate(q.view(rows, kv_heads, -1, attention.head_dim), cos, sin),
+                keys[:, :, :n],
+                values[:, :, :n],
+                attn_mask=self.attend_bias[..., :n],
                 scale=attention.scaling,
-                enable_gqa=True,
             )
-            x = x + self.linear(attention.o_proj, out.transpose(1, 2).reshape(rows, 1, -1))
+            x = x + self.linear(attention.o_proj, out.reshape(rows, -1))
             x = x + mlp_output(mlp, rms_norm(x, layer.post_attention_layernorm), self.linear)
         self.step += 1
-        return self.linear(self.model.lm_head, rms_norm(x, base.norm))[:, -1]
+        return self.linear(self.model.lm_head, rms_norm(x, base.norm))
 
 
 def shared_prompt_logits(
