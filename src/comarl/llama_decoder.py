@@ -536,8 +536,10 @@ def shared_prompt_logits(
         attention = layer.self_attn
         # [n + B T, heads, head_dim], then [rows, heads, tokens, head_dim] per set
         q, k, v = attention_inputs(attention, rms_norm(x, layer.input_layernorm))
-        prompt_q, prompt_k, prompt_v = (t[:n].view(D, L, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
-        row_q, row_k, row_v = (t[n:].view(B, T, *t.shape[1:]).transpose(1, 2) for t in (q, k, v))
+        # split, not sliced twice: the backward of two slices adds two zero-filled full-size gradients
+        sets = [t.split([n, B * T]) for t in (q, k, v)]
+        prompt_q, prompt_k, prompt_v = (p.view(D, L, *p.shape[1:]).transpose(1, 2) for p, _ in sets)
+        row_q, row_k, row_v = (r.view(B, T, *r.shape[1:]).transpose(1, 2) for _, r in sets)
         prompt_k = rotate(prompt_k, *prompt_rotary)
         row_q, row_k = rotate(row_q, *row_rotary), rotate(row_k, *row_rotary)
         row_out = F.scaled_dot_product_attention(
