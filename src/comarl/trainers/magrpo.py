@@ -722,17 +722,18 @@ class MAGRPOTrainer:
                 M, gen.prompt_ids.shape[1] + gen.completion_ids.shape[1]
             )
             batches = [slice(s, s + micro) for s in range(0, M, micro)]
-            # Behaviour and reference log-probs only when the loss needs them.
-            old = self._logprobs(i, gen, batches) if args.num_iterations > 1 else None
+            # Reference and behaviour log-probs only when the loss needs them; the behaviour ones of its rows alone.
             refs = self.references if args.kl_penalty == "loss" else None  # 'reward': already in the returns
             ref = self._logprobs(i, gen, batches, refs[i]) if refs is not None else None
             adv = advantages[i].to(agent.device)
+            learned = learned_batches(adv, ref, micro)
+            old = self._behaviour_logprobs(i, gen, learned) if args.num_iterations > 1 else None
             cut = truncated_completions(gen.completion_ids, gen.completion_mask, agent.eos_token_ids)
             scored = self.loss_mask(i, gen, cut)
             # The loss is normalised over the whole batch: every process's completions under data parallelism.
             size = (M, gen.num_tokens, float(adv.abs().sum()), int(scored.sum()), int(cut.sum()))
             sizes[i] = size if self.data is None else tuple(map(sum, zip(*self.data.gather(size))))
-            prepared[i] = (learned_batches(adv, ref, micro), old, ref, adv, scored, sizes[i][0], sizes[i][3])
+            prepared[i] = (learned, old, ref, adv, scored, sizes[i][0], sizes[i][3])
         for _ in range(args.num_iterations):
             # metrics of the last iteration
             totals = {i: self._backward(i, gens[i], *prepared[i]) for i in agents}
@@ -1102,8 +1103,11 @@ class MAGRPOTrainer:
         ]
 
     @torch.no_grad()
-    def _logprobs(self, i: int, gen: Generation, batches: list[slice], model: Any = None) -> torch.Tensor:
-        """Agent ``i``'s token log-probs of ``gen`` at its sampling temperature (``model``: e.g. its reference)."""
+    def _logprobs(
+        self, i: int, gen: Generation, batches: Sequence[slice | torch.Tensor], model: Any = None
+    ) -> torch.Tensor:
+        """Agent ``i``'s token log-probs of the rows of ``gen`` in ``batches`` (slices or row ids), in their order, at
+        its sampling temperature (``model``: e.g. its reference)."""
         agent, parts = self.team[i], []
         for sl, real in self._padded(i, batches, filler=slice(0, 1)):
             with self._autocast(i):
@@ -1117,7 +1121,16 @@ class MAGRPOTrainer:
                 )
             if real:
                 parts.append(logp)
-        return torch.cat(parts)
+        return torch.cat(parts) if parts else torch.zeros(0, gen.completion_ids.shape[1], device=agent.device)
+
+    def _behaviour_logprobs(self, i: int, gen: Generation, batches: list[torch.Tensor]) -> torch.Tensor:
+        """Agent ``i``'s log-probs of ``gen`` before its ``num_iterations`` steps, ``[M, T]``: computed for the rows of
+        ``batches`` (:func:`learned_batches`) alone, the only rows the loss reads; the others hold 0."""
+        logp = self._logprobs(i, gen, batches)
+        old = logp.new_zeros(gen.completion_ids.shape)
+        if batches:
+            old[torch.cat(batches).to(old.device)] = logp
+        return old
 
     def _padded(self, i: int | None, parts: Sequence[Any], filler: Any) -> list[tuple[Any, bool]]:
         """``(part, True)`` for each of ``parts``, agent ``i``'s micro-batches, then ``(filler, False)`` until this
