@@ -178,6 +178,30 @@ def test_decoder_logits_equal_the_model_forward_step_by_step(build):
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
 
 
+@pytest.mark.parametrize("build", [llama, qwen3], ids=["llama", "qwen3"])
+@torch.no_grad()
+def test_a_decoder_that_keeps_some_rows_goes_on_as_the_forward_of_those_rows(build):
+    """After keep_rows (rows that ended dropped), each step's logits of the kept rows, in the order given, equal the
+    forward's for those rows: their keys, values, padding and positions went with them; twice over."""
+    model = build()
+    ids, mask = left_padded([5, 9, 2], model.config.vocab_size)
+    continuation = torch.randint(model.config.vocab_size, (9, 7), generator=torch.Generator().manual_seed(3))
+    expected = forward_logits(model, ids, mask, 3, continuation)
+    decoder = LlamaDecoder(model, mask, 3, 7)
+    decoder.prefill(ids)
+    live = torch.arange(9)
+    for t in range(7):
+        if t == 3:
+            decoder.keep_rows(torch.tensor([7, 1, 4]))  # rows of the third, first and second prompt
+            live = live[[7, 1, 4]]
+        if t == 5:
+            decoder.keep_rows(torch.tensor([2]))  # of those: row 4 alone
+            live = live[[2]]
+        got = decoder.next_logits(continuation[live, t])
+        assert decoder.rows == len(live)
+        torch.testing.assert_close(got, expected[live, t + 1], atol=2e-5, rtol=1e-5)
+
+
 @torch.no_grad()
 def test_a_dynamic_rope_rescales_step_by_step_as_in_the_forward():
     """A 'dynamic' RoPE changes its frequencies once positions pass the original 8: the decoder takes cos and sin
@@ -445,6 +469,47 @@ def test_sample_completions_draw_the_same_tokens_with_and_without_the_decoder(qw
     )
     assert fast.shape[0] == 12
     assert torch.equal(fast, plain)
+
+
+@pytest.mark.parametrize("draws", ["seeds", "generator"])
+@torch.no_grad()
+def test_rows_that_ended_leave_the_decoder_and_the_completions_stay_the_same(qwen_bpe, monkeypatch, draws):
+    """With a third of the vocabulary as EOS, sampled rows end at different steps: once half of the decoder's rows
+    or more have ended it drops them (keep_rows, more than once here), and every completion equals the model
+    forward's, which runs every row to the end, draw for draw (a generator's numbers are still drawn for every
+    row)."""
+    model = AutoModelForCausalLM.from_pretrained(qwen_bpe).eval()
+    ids, mask = left_padded([6, 3, 11], model.config.vocab_size)
+    eos = list(range(0, model.config.vocab_size, 3))
+    params = SamplingParams(max_new_tokens=8)
+    kept, keep_rows = [], LlamaDecoder.keep_rows
+
+    def recording(decoder, rows):
+        kept.append(len(rows))
+        keep_rows(decoder, rows)
+
+    monkeypatch.setattr(LlamaDecoder, "keep_rows", recording)
+
+    def completions(fast):
+        return sample_completions(
+            model,
+            ids,
+            mask,
+            8,
+            params,
+            eos,
+            0,
+            generator=torch.Generator().manual_seed(5) if draws == "generator" else None,
+            seeds=[7, 8, 9] if draws == "seeds" else None,
+            fast_decoding=fast,
+        )
+
+    fast = completions(True)
+    assert len(kept) >= 2 and kept == sorted(kept, reverse=True) and kept[0] <= 12
+    plain = completions(False)
+    assert torch.equal(fast, plain)
+    ended_at = torch.isin(fast, torch.tensor(eos)).float().argmax(1)
+    assert len(set(ended_at.tolist())) > 2  # rows ended at different steps
 
 
 def test_the_engine_decodes_through_the_decoder_unless_told_not_to(qwen_bpe, monkeypatch):

@@ -319,23 +319,35 @@ def sample_completions(
     # Each row's largest logits summed over the steps: NaN or infinite once the row's logits were (checked once, below).
     top_logits = torch.zeros(rows, device=device)
     draws = seeded_draws(seeds, G, T, device) if seeds is not None and params.do_sample else None
+    live = None  # the rows the decoder still runs once it dropped rows that had ended (None: every row)
     for t in range(T):
+        draw = None if draws is None else draws[:, t : t + 1]
+        if live is not None and params.do_sample:
+            if draw is None:  # the generator's numbers for every row, as if no row had been dropped
+                draw = torch.rand(rows, 1, device=device, dtype=torch.float32, generator=generator)
+            draw = draw[live]
         chosen = next_tokens(
-            logits,
-            params,
-            eos,
-            suppress_eos=t < params.min_new_tokens,
-            generator=generator,
-            draw=None if draws is None else draws[:, t : t + 1],
+            logits, params, eos, suppress_eos=t < params.min_new_tokens, generator=generator, draw=draw
         )
-        top_logits += logits.amax(dim=-1)
+        if live is None:
+            top_logits += logits.amax(dim=-1)
+        else:  # back to every row: the dropped rows have ended, padding below
+            top_logits.index_add_(0, live, logits.amax(dim=-1))
+            chosen = tokens.new_full((rows,), pad_token_id).index_copy_(0, live, chosen)
         tokens[:, t] = torch.where(running, chosen, pad_token_id)
         running &= ~torch.isin(chosen, eos)
         # One host sync per step, as generate's stopping check: stop once every row has ended.
-        if t + 1 == T or not bool(running.any()):
+        still = int(running.sum())
+        if t + 1 == T or still == 0:
             break
         if decoder is not None:
-            logits = decoder.next_logits(tokens[:, t])
+            # Half the decoder's rows or more have ended: it drops them (one copy of the rest's keys and values)
+            # and runs fewer rows per step; not while it times its products (packing trial), for the same rows.
+            if still <= decoder.rows // 2 and decoder.trial_key is None:
+                kept = (running if live is None else running[live]).nonzero().squeeze(1)
+                decoder.keep_rows(kept)
+                live = kept if live is None else live[kept]
+            logits = decoder.next_logits(tokens[:, t] if live is None else tokens[live, t])
         else:
             logits = model(
                 input_ids=tokens[:, t : t + 1],

@@ -427,6 +427,17 @@ class LlamaDecoder:
         self.attend_bias = bias.repeat_interleave(G, dim=0)[:, None, None, :]
         return linear(self.model.lm_head, rms_norm(x, base.norm))[:, -1]
 
+    def keep_rows(self, rows: torch.Tensor) -> None:
+        """Decode only ``rows`` (ids among this decoder's current rows, in the order given) from the next step on:
+        their keys, values, mask and positions are kept, the other rows' dropped. For rows that have ended: each
+        step then runs fewer rows, for one copy of the kept rows' keys and values."""
+        self.keys = [keys[rows] for keys in self.keys]
+        self.values = [values[rows] for values in self.values]
+        self.attend_bias, self.first_position = self.attend_bias[rows], self.first_position[rows]
+        if self.rotary is not None:
+            self.rotary = (self.rotary[0][rows], self.rotary[1][rows])
+        self.rows = len(rows)
+
     @torch.no_grad()
     def next_logits(self, token_ids: torch.Tensor) -> torch.Tensor:
         """Logits ``[rows, V]`` for the token after ``token_ids[rows]``, the tokens chosen at this step."""
