@@ -100,7 +100,7 @@ def completion_logprobs(model, prompt_ids, prompt_mask, ids, G=NUM_GENERATIONS):
     from comarl.llama_decoder import shared_prompt_logits
 
     rows = torch.arange(prompt_ids.shape[0], device=prompt_ids.device).repeat_interleave(G)
-    logits = shared_prompt_logits(model, prompt_ids, prompt_mask, ids, rows)
+    logits = shared_prompt_logits(model, prompt_ids, prompt_mask, ids, rows).view(*ids.shape, -1)
     return torch.log_softmax(logits / TEMPERATURE, dim=-1).gather(-1, ids.unsqueeze(-1)).squeeze(-1)
 
 

@@ -620,7 +620,9 @@ def test_value_head_reads_the_last_prompt_token_in_the_policy_forward(team):
             agent.model, None, gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask
         )
     assert torch.allclose(values, alone, atol=1e-5)  # the value of the state: prompt only
-    assert torch.allclose(ours, logp, atol=1e-5)  # the same log-probs as the policy's own forward
+    # the same log-probs as the policy's own forward (completion_logprobs holds 0 after a row's end)
+    scored = gen.completion_mask.bool()
+    assert torch.allclose(ours[scored], logp[scored], atol=1e-5)
 
 
 def test_critics_and_value_heads_save_and_load(team, tmp_path):

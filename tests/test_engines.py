@@ -589,6 +589,36 @@ def test_completion_logprobs_divide_by_the_temperature_on_both_paths(qwen_bpe, s
     assert_logprobs_equal_per_row_forwards(agent, gen, temperature=0.6)
 
 
+def test_completion_logprobs_stop_at_each_rows_end(qwen_bpe, scoring, monkeypatch):
+    """Rows that end at different lengths (one after its first token, none at the last column): up to its end each
+    row's log-probs equal its own forward's, after it they are 0, on both paths; the model's forward runs the columns
+    up to the longest row's end alone (comarl's own runs each row's, test_llama_decoder)."""
+    import dataclasses
+
+    agent = Agent.from_pretrained(qwen_bpe)
+    torch.manual_seed(0)
+    gen = HFEngine().generate(agent, PROMPTS, 2, SamplingParams(max_new_tokens=6, min_new_tokens=6))
+    ends = torch.tensor([4, 1, 3, 4, 2, 4])
+    gen = dataclasses.replace(gen, completion_mask=(torch.arange(6) < ends[:, None]).long())
+    columns, forward = [], comarl.agents.Agent._forward_logprobs
+    monkeypatch.setattr(
+        comarl.agents.Agent,
+        "_forward_logprobs",
+        staticmethod(
+            lambda model, p, pm, ids, *rest: columns.append(ids.shape[1]) or forward(model, p, pm, ids, *rest)
+        ),
+    )
+    assert_logprobs_equal_per_row_forwards(agent, gen)
+    with torch.no_grad():
+        logp = agent.completion_logprobs(
+            gen.prompt_ids, gen.prompt_mask, gen.completion_ids, gen.completion_mask
+        )
+    assert logp.shape == (6, 6)
+    scored = gen.completion_mask.bool()
+    assert not logp[~scored].any() and (logp[scored] < 0).all()
+    assert columns == ([] if scoring == "own forward" else [4, 4])
+
+
 def test_completion_logprobs_of_a_model_with_learned_positions_follow_the_mask(gpt2_bpe):
     """GPT-2 log-probs of left-padded rows equal each row's unpadded forward (mutation killed: scoring position ids
     0..P+T-1 instead of the mask's cumsum - 1; invisible to RoPE models)."""

@@ -637,6 +637,12 @@ def training_case(model, lengths=(5, 9, 2), T=6):
     return ids, mask, completion, row_to_prompt
 
 
+def whole_rows_logits(model, prompt_ids, prompt_mask, completion_ids, row_to_prompt):
+    """:func:`shared_prompt_logits` of every position of every row, ``[B, T, V]``."""
+    logits = shared_prompt_logits(model, prompt_ids, prompt_mask, completion_ids, row_to_prompt)
+    return logits.view(*completion_ids.shape, -1)
+
+
 def logits_and_grads(model, forward, *case):
     model.zero_grad(set_to_none=True)
     logits = forward(model, *case)
@@ -652,7 +658,7 @@ def test_shared_prompt_logits_and_gradients_equal_each_rows_own_forward(build):
     model = build().train()
     case = training_case(model)
     expected, expected_grads = logits_and_grads(model, rows_forward_logits, *case)
-    got, grads = logits_and_grads(model, shared_prompt_logits, *case)
+    got, grads = logits_and_grads(model, whole_rows_logits, *case)
     assert got.shape == (7, 6, model.config.vocab_size)
     torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
     assert grads.keys() == expected_grads.keys() and len(grads) == len(list(model.parameters()))
@@ -697,6 +703,39 @@ def test_shared_prompt_logits_run_the_last_layer_past_its_keys_and_values_for_th
     assert_last_layer_cut(seen, model, every=both, last=rows)
 
 
+@pytest.mark.parametrize("build", [llama, qwen3], ids=["llama", "qwen3"])
+def test_shared_prompt_logits_of_each_rows_first_positions_equal_the_whole_rows(build):
+    """With ``lengths``, the logits of each row's first lengths[r] positions, row after row, and the gradients of a
+    loss on them alone: those of the forward over whole rows (later positions reach no earlier one), a row of
+    length 0 included."""
+    model = build().train()
+    case = training_case(model)
+    lengths = torch.tensor([6, 2, 0, 5, 1, 3, 2])
+    asked = torch.arange(6) < lengths[:, None]
+    expected, expected_grads = logits_and_grads(model, lambda *c: rows_forward_logits(*c)[asked], *case)
+    got, grads = logits_and_grads(model, lambda *c: shared_prompt_logits(*c, lengths), *case)
+    assert got.shape == (int(lengths.sum()), model.config.vocab_size)
+    torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
+    assert grads.keys() == expected_grads.keys()
+    for name, grad in grads.items():
+        torch.testing.assert_close(grad, expected_grads[name], atol=1e-5, rtol=1e-4, msg=name)
+
+
+@torch.no_grad()
+def test_shared_prompt_logits_run_each_rows_positions_up_to_its_length_alone(monkeypatch):
+    """Every product runs over the distinct prompts' tokens and each row's first lengths[r] positions: a batch whose
+    rows end early costs their tokens, not the longest row's times the rows; one whose rows all end early runs the
+    columns up to the longest alone."""
+    model = qwen2()
+    case = training_case(model)  # prompts padded to 9 (8 run once each), 7 rows of 6 positions
+    seen = product_rows(monkeypatch, model)
+    for lengths in (torch.tensor([6, 2, 0, 5, 1, 3, 2]), torch.full((7,), 4)):
+        seen.clear()
+        shared_prompt_logits(model, *case, lengths)
+        total = int(lengths.sum())
+        assert_last_layer_cut(seen, model, every=3 * 8 + total, last=total)
+
+
 @torch.no_grad()
 def test_the_prefill_runs_the_last_layer_past_its_keys_and_values_for_the_last_token_only(monkeypatch):
     """The decoder's prefill: every layer's queries, keys and values over every prompt position, the rest of every
@@ -722,7 +761,7 @@ def test_shared_prompt_logits_rescale_a_dynamic_rope_over_every_position_at_once
     case = training_case(model, lengths=(6, 4, 3), T=7)
     with torch.no_grad():
         expected = rows_forward_logits(model, *case)
-        torch.testing.assert_close(shared_prompt_logits(model, *case), expected, atol=2e-5, rtol=1e-5)
+        torch.testing.assert_close(whole_rows_logits(model, *case), expected, atol=2e-5, rtol=1e-5)
 
 
 def test_shared_prompt_logits_of_a_lora_model_follow_its_active_adapter():
@@ -733,7 +772,7 @@ def test_shared_prompt_logits_of_a_lora_model_follow_its_active_adapter():
     for name in ("first", "second"):
         model.set_adapter(name)
         expected, expected_grads = logits_and_grads(model, rows_forward_logits, *case)
-        got, grads = logits_and_grads(model, shared_prompt_logits, *case)
+        got, grads = logits_and_grads(model, whole_rows_logits, *case)
         torch.testing.assert_close(got, expected, atol=2e-5, rtol=1e-5)
         assert grads.keys() == expected_grads.keys() and all(
             f".{name}." in n or n.endswith(name) for n in grads
@@ -742,7 +781,7 @@ def test_shared_prompt_logits_of_a_lora_model_follow_its_active_adapter():
             torch.testing.assert_close(grad, expected_grads[key], atol=1e-5, rtol=1e-4, msg=key)
     with torch.no_grad(), model.disable_adapter():
         torch.testing.assert_close(
-            shared_prompt_logits(model, *case), rows_forward_logits(model, *case), atol=2e-5, rtol=1e-5
+            whole_rows_logits(model, *case), rows_forward_logits(model, *case), atol=2e-5, rtol=1e-5
         )
 
 
@@ -752,6 +791,6 @@ def test_shared_prompt_logits_follow_the_forward_under_bf16_autocast():
     case = training_case(model)
     with torch.autocast("cpu", dtype=torch.bfloat16):
         expected = rows_forward_logits(model, *case)
-        got = shared_prompt_logits(model, *case)
+        got = whole_rows_logits(model, *case)
     assert got.dtype == expected.dtype == torch.bfloat16
     torch.testing.assert_close(got.float(), expected.float(), atol=2e-2, rtol=0)

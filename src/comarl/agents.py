@@ -10,6 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 
 from comarl.algorithms import token_logprobs
 from comarl.config import ConfigError
@@ -263,9 +264,17 @@ class Agent:
         the rows. Neither under gradient checkpointing, which drops caches (the whole rows then run), nor for a
         model sharded by FSDP2 (``shard_weights``), which frees each layer's gathered weights after its own
         backward, while the cache carries gradients from the completion's forward back into the prompt's.
+
+        A row's positions after its last completion token (``completion_mask``) hold 0: every path runs the columns
+        up to the longest row's end alone, and comarl's CPU forward leaves out each row's own tail as well (a batch
+        whose completions end at different lengths costs what its tokens cost).
         """
         model = self.model if model is None else model
-        T = completion_ids.shape[1]
+        B, T = completion_ids.shape
+        # A row's positions after its last completion token reach no log-prob that is read and, attention being
+        # causal, no earlier one: the forward runs the columns up to the longest row's end, and they hold 0.
+        lengths = (completion_mask * torch.arange(1, T + 1, device=completion_mask.device)).amax(dim=1)
+        asked = torch.arange(T, device=lengths.device) < lengths[:, None]  # [B, T]
         with forward_module(model) as module:
             if (
                 prompt_ids.device.type == "cpu"
@@ -273,12 +282,36 @@ class Agent:
                 and not checkpointing_on(module)
                 and unsupported_reason(module) is None
             ):
-                rows = torch.arange(prompt_ids.shape[0], device=prompt_ids.device)
+                rows = torch.arange(B, device=prompt_ids.device)
                 distinct, row_to_prompt = _shared_prompts(prompt_ids, prompt_mask) or (rows, rows)
                 logits = shared_prompt_logits(
-                    module, prompt_ids[distinct], prompt_mask[distinct], completion_ids, row_to_prompt
-                )
-                return token_logprobs(logits, completion_ids, temperature)
+                    module,
+                    prompt_ids[distinct],
+                    prompt_mask[distinct],
+                    completion_ids,
+                    row_to_prompt,
+                    lengths,
+                )  # [sum(lengths), V]: each row's positions up to its end alone
+                picked = token_logprobs(logits[None], completion_ids[asked][None], temperature)[0]
+                return picked.new_zeros(B, T).masked_scatter(asked, picked)
+        T = max(1, int(lengths.max()))
+        logp = Agent._forward_logprobs(
+            model, prompt_ids, prompt_mask, completion_ids[:, :T], completion_mask[:, :T], temperature
+        )
+        return F.pad(logp.masked_fill(~asked[:, :T], 0.0), (0, completion_ids.shape[1] - T))
+
+    @staticmethod
+    def _forward_logprobs(
+        model: Any,
+        prompt_ids: torch.Tensor,
+        prompt_mask: torch.Tensor,
+        completion_ids: torch.Tensor,
+        completion_mask: torch.Tensor,
+        temperature: float,
+    ) -> torch.Tensor:
+        """:meth:`completion_logprobs` through ``model``'s own forward: the distinct prompts with a KV cache gathered to
+        the rows, or whole rows where caches cannot carry gradients (checkpointing, FSDP2)."""
+        T = completion_ids.shape[1]
         attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
         position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
         shared = (

@@ -505,21 +505,26 @@ def shared_prompt_logits(
     prompt_mask: torch.Tensor,
     completion_ids: torch.Tensor,
     row_to_prompt: torch.Tensor,
+    lengths: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """Logits ``[B, T, V]`` of every row's completion tokens, from one pass over the model's layers: position ``t``
-    predicts completion token ``t``. Row ``r`` continues prompt ``row_to_prompt[r]`` of the ``D`` distinct
-    left-padded prompts ``[D, P]`` (``P >= 2``); ``completion_ids`` is ``[B, T]``.
+    """Logits ``[N, V]`` of the rows' completion tokens, from one pass over the model's layers: position ``t`` of a row
+    predicts its completion token ``t``; the positions run are each row's first ``lengths[r]`` (all ``T`` without
+    ``lengths``), row after row (``N = sum(lengths)``; without ``lengths`` the logits view as ``[B, T, V]``). Row
+    ``r`` continues prompt ``row_to_prompt[r]`` of the ``D`` distinct left-padded prompts ``[D, P]`` (``P >= 2``);
+    ``completion_ids`` is ``[B, T]``.
 
     The training forward of :meth:`comarl.agents.Agent.completion_logprobs`, the same layers and operations as the
     model's forward (as :class:`LlamaDecoder`'s, for a model :func:`unsupported_reason` accepts) over two sets of
     tokens at once: each distinct prompt but its last token, once, and each row's last prompt token and completion
-    but its last token. Every product runs once over both sets' rows (``D (P - 1) + B T``); attention runs per set:
-    a prompt token attends to the prompt's earlier tokens, a row's token to its prompt's tokens (their keys and
-    values gathered to the row) and the row's own earlier ones, the prompt's padding masked out. Gradients reach the
-    shared prompt tokens from every row that attends to them, as through ``B`` copies. In the last layer the prompt
-    tokens stop after their keys and values (their outputs reach no logit). Rotary embeddings come from
-    one call of the model's ``rotary_emb`` at every position (a 'dynamic' RoPE then rescales as in the model's
-    forward over whole rows).
+    but its last token, up to its length. Every product runs once over both sets' rows (``D (P - 1) + N``);
+    attention runs per set: a prompt token attends to the prompt's earlier tokens, a row's token to its prompt's
+    tokens (their keys and values gathered to the row) and the row's own earlier ones, the prompt's padding masked
+    out. A position past a row's length reaches no logit that is asked for and, attention being causal, no earlier
+    position: it is left out of every product (the rows' attention runs on ``[B, max(lengths)]``, the left-out
+    positions as zeros). Gradients reach the shared prompt tokens from every row that attends to them, as through
+    ``B`` copies. In the last layer the prompt tokens stop after their keys and values (their outputs reach no
+    logit). Rotary embeddings come from one call of the model's ``rotary_emb`` at every position run (a 'dynamic'
+    RoPE then rescales by the largest, as the model's forward over the rows up to the longest one does).
     """
     inner = causal_lm(model)
     base = inner.model
@@ -528,13 +533,29 @@ def shared_prompt_logits(
     L = P - 1  # the prompt tokens that run once; the last one runs in each row, ahead of its completion
     n = D * L
     positions = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
+    runs = None  # the positions of [B, T] that run, where some do not
+    if lengths is not None:  # the columns up to the longest row's, then each row's first lengths[r]
+        T = max(1, int(lengths.max()))
+        kept = (torch.arange(T, device=lengths.device) < lengths[:, None]).flatten()
+        runs = None if bool(kept.all()) else kept.nonzero().squeeze(1)
     row_positions = positions[row_to_prompt, -1:] + torch.arange(T, device=positions.device)  # [B, T]
-    row_tokens = torch.cat([prompt_ids[row_to_prompt, -1:], completion_ids[:, :-1]], dim=1)
-    x = embed(base.embed_tokens, torch.cat([prompt_ids[:, :L].reshape(-1), row_tokens.reshape(-1)]))
-    cos, sin = base.rotary_emb(x, torch.cat([positions[:, :L].reshape(-1), row_positions.reshape(-1)])[None])
-    cos, sin = cos[0], signed_sin(sin[0])  # [n + B T, head_dim]
+    row_tokens = torch.cat([prompt_ids[row_to_prompt, -1:], completion_ids[:, : T - 1]], dim=1)
+    row_positions, row_tokens = row_positions.reshape(-1), row_tokens.reshape(-1)
+    if runs is not None:
+        row_positions, row_tokens = row_positions[runs], row_tokens[runs]
+    N = row_tokens.shape[0]
+    x = embed(base.embed_tokens, torch.cat([prompt_ids[:, :L].reshape(-1), row_tokens]))
+    cos, sin = base.rotary_emb(x, torch.cat([positions[:, :L].reshape(-1), row_positions])[None])
+    cos, sin = cos[0], signed_sin(sin[0])  # [n + N, head_dim]
     prompt_rotary = cos[:n].view(D, 1, L, -1), sin[:n].view(D, 1, L, -1)
-    row_rotary = cos[n:].view(B, 1, T, -1), sin[n:].view(B, 1, T, -1)
+    row_rotary = cos[n:, None], sin[n:, None]  # [N, 1, head_dim]
+
+    def as_rows(t: torch.Tensor) -> torch.Tensor:
+        """``[N, heads, head_dim]`` of the positions run as ``[B, heads, T, head_dim]``, the others zeros."""
+        if runs is not None:
+            t = t.new_zeros(B * T, *t.shape[1:]).index_copy(0, runs, t)
+        return t.view(B, T, *t.shape[1:]).transpose(1, 2)
+
     # SDPA's boolean masks, True where a query may attend (padding queries attend to nothing: causal_prompt_mask).
     keep = prompt_mask[:, :L].bool()
     prompt_attends = causal_prompt_mask(prompt_mask[:, :L])
@@ -545,14 +566,14 @@ def shared_prompt_logits(
     layers = base.layers[: inner.config.num_hidden_layers]
     for index, layer in enumerate(layers):
         attention = layer.self_attn
-        # [n + B T, heads, head_dim], then [rows, heads, tokens, head_dim] per set
+        # [n + N, heads, head_dim], then [rows, heads, tokens, head_dim] per set
         q, k, v = attention_inputs(attention, rms_norm(x, layer.input_layernorm))
         # split, not sliced twice: the backward of two slices adds two zero-filled full-size gradients
-        sets = [t.split([n, B * T]) for t in (q, k, v)]
+        sets = [t.split([n, N]) for t in (q, k, v)]
         prompt_q, prompt_k, prompt_v = (p.view(D, L, *p.shape[1:]).transpose(1, 2) for p, _ in sets)
-        row_q, row_k, row_v = (r.view(B, T, *r.shape[1:]).transpose(1, 2) for _, r in sets)
+        row_q, row_k = (as_rows(rotate(r, *row_rotary)) for _, r in sets[:2])
+        row_v = as_rows(sets[2][1])
         prompt_k = rotate(prompt_k, *prompt_rotary)
-        row_q, row_k = rotate(row_q, *row_rotary), rotate(row_k, *row_rotary)
         row_out = F.scaled_dot_product_attention(
             row_q,
             torch.cat([prompt_k[row_to_prompt], row_k], dim=2),
@@ -562,6 +583,8 @@ def shared_prompt_logits(
             enable_gqa=True,
         )
         row_out = row_out.transpose(1, 2).reshape(B * T, -1)
+        if runs is not None:
+            row_out = row_out[runs]
         if index == len(layers) - 1:
             # In the last layer the prompt tokens reach the logits only through their keys and values: their
             # attention, o_proj and MLP would be computed (and differentiated) for nothing.
@@ -577,4 +600,4 @@ def shared_prompt_logits(
             )
             x = x + linear(attention.o_proj, torch.cat([prompt_out.transpose(1, 2).reshape(n, -1), row_out]))
         x = x + mlp_output(layer.mlp, rms_norm(x, layer.post_attention_layernorm))
-    return linear(inner.lm_head, rms_norm(x, base.norm)).view(B, T, -1)
+    return linear(inner.lm_head, rms_norm(x, base.norm))
