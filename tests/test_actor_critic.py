@@ -625,6 +625,34 @@ def test_value_head_reads_the_last_prompt_token_in_the_policy_forward(team):
     assert torch.allclose(ours[scored], logp[scored], atol=1e-5)
 
 
+def test_policy_forward_stops_at_each_rows_end(team, monkeypatch):
+    """Rows that end at different lengths: the forward runs the columns up to the longest row's end alone; log-probs
+    equal completion_logprobs' (each row's own up to its end), and log-probs and entropies are 0 after a row's end."""
+    import comarl.critics
+
+    trainer = _trainer(IACTrainer, IACConfig, team)
+    agent = trainer.team[0]
+    gen = trainer.engine.generate(
+        agent, ["alice is in oslo .", "bob is in lima . where"], 2, trainer._sampling()[0]
+    )
+    width = gen.completion_ids.shape[1]
+    ends = torch.tensor([width - 1, 1, 2, width - 1])
+    mask = (torch.arange(width) < ends[:, None]).long()
+    widths, forward = [], comarl.critics._forward_with_hidden
+    monkeypatch.setattr(
+        comarl.critics, "_forward_with_hidden", lambda m, k, **kw: widths.append(k) or forward(m, k, **kw)
+    )
+    with torch.no_grad():
+        logp, entropy, _ = policy_forward(
+            agent.model, None, gen.prompt_ids, gen.prompt_mask, gen.completion_ids, mask, with_entropy=True
+        )
+        expected = agent.completion_logprobs(gen.prompt_ids, gen.prompt_mask, gen.completion_ids, mask)
+    assert widths == [width]  # the longest row's width - 1 completion positions, + 1
+    assert logp.shape == entropy.shape == (4, width)
+    torch.testing.assert_close(logp, expected, atol=1e-5, rtol=1e-4)
+    assert not logp[mask == 0].any() and not entropy[mask == 0].any() and (entropy[mask == 1] > 0).all()
+
+
 def test_critics_and_value_heads_save_and_load(team, tmp_path):
     iac = _trainer(IACTrainer, IACConfig, team, reward=answer_length)
     iac.train()

@@ -120,20 +120,31 @@ def policy_forward(
     ``T`` predict the completion tokens), and the value head reads the backbone's hidden state of the last
     prompt token (position ``P - 1``: the state the agent answered from). Returns
     ``(logprobs, entropy or None, values [B, outputs] or None)``. With ``entropy_grad=False`` the entropy is a
-    metric only: no graph is kept for its ``[B, T, V]`` softmax.
+    metric only: no graph is kept for its ``[B, T, V]`` softmax. As in :meth:`comarl.agents.Agent.completion_logprobs`,
+    the forward runs the columns up to the longest row's end (``completion_mask``) alone, and a row's positions after
+    its end hold 0.
     """
+    width = completion_ids.shape[1]
+    lengths = (completion_mask * torch.arange(1, width + 1, device=completion_mask.device)).amax(dim=1)
+    P, T = prompt_ids.shape[1], max(1, int(lengths.max()))
+    ended = torch.arange(T, device=lengths.device) >= lengths[:, None]  # [B, T]
+    completion_ids, completion_mask = completion_ids[:, :T], completion_mask[:, :T]
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
     position_ids = (attention_mask.cumsum(dim=1) - 1).clamp(min=0)
-    P, T = prompt_ids.shape[1], completion_ids.shape[1]
     logits, hidden = _forward_with_hidden(
         model, T + 1, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
     )
     logits = logits[:, :-1]
-    logprobs = token_logprobs(logits, completion_ids, temperature)
+
+    def per_token(t: torch.Tensor) -> torch.Tensor:
+        """``[B, T]`` back to the batch's width, 0 after each row's end."""
+        return nn.functional.pad(t.masked_fill(ended, 0.0), (0, width - T))
+
+    logprobs = per_token(token_logprobs(logits, completion_ids, temperature))
     entropy = None
     if with_entropy:
-        entropy = token_entropy(logits if entropy_grad else logits.detach(), temperature)
+        entropy = per_token(token_entropy(logits if entropy_grad else logits.detach(), temperature))
     values = head(hidden[:, P - 1]) if head is not None else None
     return logprobs, entropy, values
 
