@@ -10,6 +10,7 @@ from torch.testing import assert_close
 from comarl.algorithms import (
     aggregate_loss,
     clipped_surrogate,
+    completion_lengths,
     cross_returns,
     discounted_returns,
     group_advantages,
@@ -544,3 +545,10 @@ def test_masked_positions_add_exactly_nothing():
     per_token = per_token + 0.05 * kl_k3(logp, torch.tensor([[-1.2, -5.0]]), mask)
     aggregate_loss(per_token, mask, "dapo", 1, 1, 2).backward()
     assert torch.isfinite(logp.grad).all() and logp.grad[0, 1] == 0.0
+
+
+def test_completion_lengths_reach_each_rows_last_scored_token():
+    """1 + the last position of each row's mask: a prefix, a gap before the last token, none, the whole width."""
+    mask = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
+    assert completion_lengths(mask).tolist() == [2, 3, 0, 4]
+    assert completion_lengths(mask.bool()).tolist() == [2, 3, 0, 4]

@@ -12,7 +12,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from comarl.algorithms import token_logprobs
+from comarl.algorithms import completion_lengths, token_logprobs
 from comarl.config import ConfigError
 from comarl.llama_decoder import shared_prompt_logits, unsupported_reason
 
@@ -273,7 +273,7 @@ class Agent:
         B, T = completion_ids.shape
         # A row's positions after its last completion token reach no log-prob that is read and, attention being
         # causal, no earlier one: the forward runs the columns up to the longest row's end, and they hold 0.
-        lengths = (completion_mask * torch.arange(1, T + 1, device=completion_mask.device)).amax(dim=1)
+        lengths = completion_lengths(completion_mask)
         asked = torch.arange(T, device=lengths.device) < lengths[:, None]  # [B, T]
         with forward_module(model) as module:
             if (

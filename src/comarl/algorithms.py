@@ -146,6 +146,14 @@ def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: floa
     return picked - torch.logsumexp(logits, dim=-1)
 
 
+def completion_lengths(completion_mask: torch.Tensor) -> torch.Tensor:
+    """``[B]``: each row's positions up to and including its last scored token, ``1 + max{t : mask[b, t] = 1}``
+    (0 for a row with none). Later positions reach no log-prob that is read and, attention being causal, no earlier
+    one, so forwards over the completions stop there."""
+    T = completion_mask.shape[1]
+    return (completion_mask * torch.arange(1, T + 1, device=completion_mask.device)).amax(dim=1)
+
+
 def truncated_completions(
     completion_ids: torch.Tensor, completion_mask: torch.Tensor, eos_token_ids: list[int]
 ) -> torch.Tensor:

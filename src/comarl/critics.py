@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from comarl.algorithms import token_entropy, token_logprobs
+from comarl.algorithms import completion_lengths, token_entropy, token_logprobs
 from comarl.config import VALUE_HEAD_FILE
 
 
@@ -125,7 +125,7 @@ def policy_forward(
     its end hold 0.
     """
     width = completion_ids.shape[1]
-    lengths = (completion_mask * torch.arange(1, width + 1, device=completion_mask.device)).amax(dim=1)
+    lengths = completion_lengths(completion_mask)
     P, T = prompt_ids.shape[1], max(1, int(lengths.max()))
     ended = torch.arange(T, device=lengths.device) >= lengths[:, None]  # [B, T]
     completion_ids, completion_mask = completion_ids[:, :T], completion_mask[:, :T]
