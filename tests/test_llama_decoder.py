@@ -692,12 +692,13 @@ def assert_last_layer_cut(seen: dict[str, int], model, every: int, last: int) ->
 
 @torch.no_grad()
 def test_shared_prompt_logits_run_the_last_layer_past_its_keys_and_values_for_the_rows_only(monkeypatch):
-    """The products' rows: every layer's queries, keys and values over both sets (each distinct prompt but its last
-    token once, then every row's T tokens), and the rest of every layer but the last too; the last layer's o_proj
-    and MLP and the head over the rows' tokens alone (the prompt tokens' outputs there reach no logit)."""
+    """The products' rows: every layer's queries, keys and values over both sets (each distinct prompt's tokens but
+    its last once, its padding left out, then every row's T tokens), and the rest of every layer but the last too;
+    the last layer's o_proj and MLP and the head over the rows' tokens alone (the prompt tokens' outputs there reach
+    no logit)."""
     model = qwen2()
     case = training_case(model)  # prompts of 5, 9 and 2 tokens padded to 9, 7 rows of 6 tokens
-    both, rows = 3 * 8 + 7 * 6, 7 * 6
+    both, rows = (4 + 8 + 1) + 7 * 6, 7 * 6  # the prompts' tokens in their first 8 columns
     seen = product_rows(monkeypatch, model)
     shared_prompt_logits(model, *case)
     assert_last_layer_cut(seen, model, every=both, last=rows)
@@ -727,13 +728,13 @@ def test_shared_prompt_logits_run_each_rows_positions_up_to_its_length_alone(mon
     rows end early costs their tokens, not the longest row's times the rows; one whose rows all end early runs the
     columns up to the longest alone."""
     model = qwen2()
-    case = training_case(model)  # prompts padded to 9 (8 run once each), 7 rows of 6 positions
+    case = training_case(model)  # prompts of 5, 9 and 2 tokens padded to 9 (4 + 8 + 1 run once), 7 rows of 6
     seen = product_rows(monkeypatch, model)
     for lengths in (torch.tensor([6, 2, 0, 5, 1, 3, 2]), torch.full((7,), 4)):
         seen.clear()
         shared_prompt_logits(model, *case, lengths)
         total = int(lengths.sum())
-        assert_last_layer_cut(seen, model, every=3 * 8 + total, last=total)
+        assert_last_layer_cut(seen, model, every=(4 + 8 + 1) + total, last=total)
 
 
 @torch.no_grad()

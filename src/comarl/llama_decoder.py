@@ -531,33 +531,41 @@ def shared_prompt_logits(
     D, P = prompt_ids.shape
     B, T = completion_ids.shape
     L = P - 1  # the prompt tokens that run once; the last one runs in each row, ahead of its completion
-    n = D * L
     positions = (prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
-    runs = None  # the positions of [B, T] that run, where some do not
-    if lengths is not None:  # the columns up to the longest row's, then each row's first lengths[r]
+    keep = prompt_mask[:, :L].bool()
+    # The positions of [D, L] and [B, T] that run, where some do not: the prompts' padding never does; a row's
+    # positions up to its length where lengths are given, the columns up to the longest row's.
+    prompt_runs = None if bool(keep.all()) else keep.flatten().nonzero().squeeze(1)
+    runs = None
+    if lengths is not None:
         T = max(1, int(lengths.max()))
         kept = (torch.arange(T, device=lengths.device) < lengths[:, None]).flatten()
         runs = None if bool(kept.all()) else kept.nonzero().squeeze(1)
-    row_positions = positions[row_to_prompt, -1:] + torch.arange(T, device=positions.device)  # [B, T]
-    row_tokens = torch.cat([prompt_ids[row_to_prompt, -1:], completion_ids[:, : T - 1]], dim=1)
-    row_positions, row_tokens = row_positions.reshape(-1), row_tokens.reshape(-1)
+    prompt_positions, prompt_tokens = positions[:, :L].reshape(-1), prompt_ids[:, :L].reshape(-1)
+    row_positions = (positions[row_to_prompt, -1:] + torch.arange(T, device=positions.device)).reshape(-1)
+    row_tokens = torch.cat([prompt_ids[row_to_prompt, -1:], completion_ids[:, : T - 1]], dim=1).reshape(-1)
+    if prompt_runs is not None:
+        prompt_positions, prompt_tokens = prompt_positions[prompt_runs], prompt_tokens[prompt_runs]
     if runs is not None:
         row_positions, row_tokens = row_positions[runs], row_tokens[runs]
-    N = row_tokens.shape[0]
-    x = embed(base.embed_tokens, torch.cat([prompt_ids[:, :L].reshape(-1), row_tokens]))
-    cos, sin = base.rotary_emb(x, torch.cat([positions[:, :L].reshape(-1), row_positions])[None])
-    cos, sin = cos[0], signed_sin(sin[0])  # [n + N, head_dim]
-    prompt_rotary = cos[:n].view(D, 1, L, -1), sin[:n].view(D, 1, L, -1)
-    row_rotary = cos[n:, None], sin[n:, None]  # [N, 1, head_dim]
+    n, N = prompt_tokens.shape[0], row_tokens.shape[0]
+    x = embed(base.embed_tokens, torch.cat([prompt_tokens, row_tokens]))
+    cos, sin = base.rotary_emb(x, torch.cat([prompt_positions, row_positions])[None])
+    cos, sin = cos[0, :, None], signed_sin(sin[0, :, None])  # [n + N, 1, head_dim]
+    prompt_rotary, row_rotary = (cos[:n], sin[:n]), (cos[n:], sin[n:])
 
-    def as_rows(t: torch.Tensor) -> torch.Tensor:
-        """``[N, heads, head_dim]`` of the positions run as ``[B, heads, T, head_dim]``, the others zeros."""
+    def laid_out(t: torch.Tensor, runs: torch.Tensor | None, count: int, width: int) -> torch.Tensor:
+        """``[tokens run, heads, head_dim]`` as ``[count, heads, width, head_dim]``, the positions not run zeros."""
         if runs is not None:
-            t = t.new_zeros(B * T, *t.shape[1:]).index_copy(0, runs, t)
-        return t.view(B, T, *t.shape[1:]).transpose(1, 2)
+            t = t.new_zeros(count * width, *t.shape[1:]).index_copy(0, runs, t)
+        return t.view(count, width, *t.shape[1:]).transpose(1, 2)
+
+    def run_only(out: torch.Tensor, runs: torch.Tensor | None) -> torch.Tensor:
+        """SDPA's ``[count, heads, width, head_dim]`` as ``[tokens run, heads * head_dim]``."""
+        out = out.transpose(1, 2).reshape(out.shape[0] * out.shape[2], -1)
+        return out if runs is None else out[runs]
 
     # SDPA's boolean masks, True where a query may attend (padding queries attend to nothing: causal_prompt_mask).
-    keep = prompt_mask[:, :L].bool()
     prompt_attends = causal_prompt_mask(prompt_mask[:, :L])
     own = torch.ones(T, T, dtype=torch.bool, device=keep.device).tril()
     row_attends = torch.cat(
@@ -566,38 +574,34 @@ def shared_prompt_logits(
     layers = base.layers[: inner.config.num_hidden_layers]
     for index, layer in enumerate(layers):
         attention = layer.self_attn
-        # [n + N, heads, head_dim], then [rows, heads, tokens, head_dim] per set
+        # [n + N, heads, head_dim], split (not sliced twice: the backward of two slices adds two zero-filled
+        # full-size gradients) into the prompts' and the rows' tokens, then laid out as [count, heads, width, head_dim]
         q, k, v = attention_inputs(attention, rms_norm(x, layer.input_layernorm))
-        # split, not sliced twice: the backward of two slices adds two zero-filled full-size gradients
-        sets = [t.split([n, N]) for t in (q, k, v)]
-        prompt_q, prompt_k, prompt_v = (p.view(D, L, *p.shape[1:]).transpose(1, 2) for p, _ in sets)
-        row_q, row_k = (as_rows(rotate(r, *row_rotary)) for _, r in sets[:2])
-        row_v = as_rows(sets[2][1])
-        prompt_k = rotate(prompt_k, *prompt_rotary)
+        (prompt_q, row_q), (prompt_k, row_k), (prompt_v, row_v) = (t.split([n, N]) for t in (q, k, v))
+        prompt_k = laid_out(rotate(prompt_k, *prompt_rotary), prompt_runs, D, L)
+        prompt_v = laid_out(prompt_v, prompt_runs, D, L)
         row_out = F.scaled_dot_product_attention(
-            row_q,
-            torch.cat([prompt_k[row_to_prompt], row_k], dim=2),
-            torch.cat([prompt_v[row_to_prompt], row_v], dim=2),
+            laid_out(rotate(row_q, *row_rotary), runs, B, T),
+            torch.cat([prompt_k[row_to_prompt], laid_out(rotate(row_k, *row_rotary), runs, B, T)], dim=2),
+            torch.cat([prompt_v[row_to_prompt], laid_out(row_v, runs, B, T)], dim=2),
             attn_mask=row_attends,
             scale=attention.scaling,
             enable_gqa=True,
         )
-        row_out = row_out.transpose(1, 2).reshape(B * T, -1)
-        if runs is not None:
-            row_out = row_out[runs]
+        row_out = run_only(row_out, runs)
         if index == len(layers) - 1:
             # In the last layer the prompt tokens reach the logits only through their keys and values: their
             # attention, o_proj and MLP would be computed (and differentiated) for nothing.
             x = x[n:] + linear(attention.o_proj, row_out)
         else:
             prompt_out = F.scaled_dot_product_attention(
-                rotate(prompt_q, *prompt_rotary),
+                laid_out(rotate(prompt_q, *prompt_rotary), prompt_runs, D, L),
                 prompt_k,
                 prompt_v,
                 attn_mask=prompt_attends,
                 scale=attention.scaling,
                 enable_gqa=True,
             )
-            x = x + linear(attention.o_proj, torch.cat([prompt_out.transpose(1, 2).reshape(n, -1), row_out]))
+            x = x + linear(attention.o_proj, torch.cat([run_only(prompt_out, prompt_runs), row_out]))
         x = x + mlp_output(layer.mlp, rms_norm(x, layer.post_attention_layernorm))
     return linear(inner.lm_head, rms_norm(x, base.norm))
