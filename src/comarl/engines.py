@@ -389,10 +389,12 @@ def next_tokens(
     if not params.do_sample:
         return scores.argmax(dim=-1)
     probs = scores.softmax(dim=-1)
-    # CUDA's cumsum adds in tree order: a token of probability 0 could sit one rounding step above its left
-    # neighbour and be drawn. Zeroing its entry and taking the running max gives it a window of exactly 0 (on
-    # the CPU the sum is sequential and this changes nothing).
-    cdf = probs.cumsum(dim=-1).masked_fill(probs == 0, 0).cummax(dim=-1).values
+    cdf = probs.cumsum(dim=-1)
+    if cdf.device.type != "cpu":
+        # CUDA's cumsum adds in tree order: a token of probability 0 could sit one rounding step above its left
+        # neighbour and be drawn. Zeroing its entry and taking the running max gives it a window of exactly 0. The
+        # CPU's adds in order, so such a token's entry already equals its neighbour's (~70 us a step at 32 rows).
+        cdf = cdf.masked_fill(probs == 0, 0).cummax(dim=-1).values
     if draw is None:
         draw = torch.rand(cdf.shape[0], 1, device=cdf.device, dtype=cdf.dtype, generator=generator)
     u = (1 - draw) * cdf[:, -1:]
