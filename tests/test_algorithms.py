@@ -16,6 +16,7 @@ from comarl.algorithms import (
     group_advantages,
     kl_k3,
     sequence_kl_k1,
+    to_width,
     token_entropy,
     token_logprobs,
     truncated_completions,
@@ -552,3 +553,10 @@ def test_completion_lengths_reach_each_rows_last_scored_token():
     mask = torch.tensor([[1, 1, 0, 0], [1, 0, 1, 0], [0, 0, 0, 0], [1, 1, 1, 1]])
     assert completion_lengths(mask).tolist() == [2, 3, 0, 4]
     assert completion_lengths(mask.bool()).tolist() == [2, 3, 0, 4]
+
+
+def test_to_width_zeroes_past_each_rows_end_and_pads_to_the_width():
+    """Two rows run for 3 positions of a 5-wide batch, ending after 2 and 3: [[1, 2, 0, 0, 0], [4, 5, 6, 0, 0]]."""
+    per_token = torch.tensor([[1.0, 2.0, 3.0], [4.0, 5.0, 6.0]])
+    got = to_width(per_token, torch.tensor([2, 3]), 5)
+    assert got.tolist() == [[1.0, 2.0, 0.0, 0.0, 0.0], [4.0, 5.0, 6.0, 0.0, 0.0]]

@@ -10,9 +10,8 @@ from pathlib import Path
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 
-from comarl.algorithms import completion_lengths, token_logprobs
+from comarl.algorithms import completion_lengths, to_width, token_logprobs
 from comarl.config import ConfigError
 from comarl.llama_decoder import shared_prompt_logits, unsupported_reason
 
@@ -274,7 +273,6 @@ class Agent:
         # A row's positions after its last completion token reach no log-prob that is read and, attention being
         # causal, no earlier one: the forward runs the columns up to the longest row's end, and they hold 0.
         lengths = completion_lengths(completion_mask)
-        asked = torch.arange(T, device=lengths.device) < lengths[:, None]  # [B, T]
         with forward_module(model) as module:
             if (
                 prompt_ids.device.type == "cpu"
@@ -282,6 +280,7 @@ class Agent:
                 and not checkpointing_on(module)
                 and unsupported_reason(module) is None
             ):
+                asked = torch.arange(T, device=lengths.device) < lengths[:, None]  # [B, T]
                 rows = torch.arange(B, device=prompt_ids.device)
                 distinct, row_to_prompt = _shared_prompts(prompt_ids, prompt_mask) or (rows, rows)
                 logits = shared_prompt_logits(
@@ -298,7 +297,7 @@ class Agent:
         logp = Agent._forward_logprobs(
             model, prompt_ids, prompt_mask, completion_ids[:, :T], completion_mask[:, :T], temperature
         )
-        return F.pad(logp.masked_fill(~asked[:, :T], 0.0), (0, completion_ids.shape[1] - T))
+        return to_width(logp, lengths, completion_ids.shape[1])
 
     @staticmethod
     def _forward_logprobs(

@@ -12,6 +12,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 
 import torch
+import torch.nn.functional as F
 
 from comarl.choices import AGGREGATIONS, BASELINES, CENTRED_BASELINES, PAIR_SELECTIONS, SCALES
 
@@ -152,6 +153,13 @@ def completion_lengths(completion_mask: torch.Tensor) -> torch.Tensor:
     one, so forwards over the completions stop there."""
     T = completion_mask.shape[1]
     return (completion_mask * torch.arange(1, T + 1, device=completion_mask.device)).amax(dim=1)
+
+
+def to_width(per_token: torch.Tensor, lengths: torch.Tensor, width: int) -> torch.Tensor:
+    """``per_token[B, T]`` of a forward that ran ``T <= width`` completion positions, as ``[B, width]`` with 0 at every
+    position ``t >= lengths[b]`` (:func:`completion_lengths`: the positions past a row's end)."""
+    ended = torch.arange(per_token.shape[1], device=per_token.device) >= lengths[:, None]
+    return F.pad(per_token.masked_fill(ended, 0.0), (0, width - per_token.shape[1]))
 
 
 def truncated_completions(

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from comarl.algorithms import completion_lengths, token_entropy, token_logprobs
+from comarl.algorithms import completion_lengths, to_width, token_entropy, token_logprobs
 from comarl.config import VALUE_HEAD_FILE
 
 
@@ -127,7 +127,6 @@ def policy_forward(
     width = completion_ids.shape[1]
     lengths = completion_lengths(completion_mask)
     P, T = prompt_ids.shape[1], max(1, int(lengths.max()))
-    ended = torch.arange(T, device=lengths.device) >= lengths[:, None]  # [B, T]
     completion_ids, completion_mask = completion_ids[:, :T], completion_mask[:, :T]
     input_ids = torch.cat([prompt_ids, completion_ids], dim=1)
     attention_mask = torch.cat([prompt_mask, completion_mask], dim=1)
@@ -136,15 +135,11 @@ def policy_forward(
         model, T + 1, input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids
     )
     logits = logits[:, :-1]
-
-    def per_token(t: torch.Tensor) -> torch.Tensor:
-        """``[B, T]`` back to the batch's width, 0 after each row's end."""
-        return nn.functional.pad(t.masked_fill(ended, 0.0), (0, width - T))
-
-    logprobs = per_token(token_logprobs(logits, completion_ids, temperature))
+    logprobs = to_width(token_logprobs(logits, completion_ids, temperature), lengths, width)
     entropy = None
     if with_entropy:
-        entropy = per_token(token_entropy(logits if entropy_grad else logits.detach(), temperature))
+        entropy = token_entropy(logits if entropy_grad else logits.detach(), temperature)
+        entropy = to_width(entropy, lengths, width)
     values = head(hidden[:, P - 1]) if head is not None else None
     return logprobs, entropy, values
 
