@@ -739,14 +739,15 @@ def test_shared_prompt_logits_run_each_rows_positions_up_to_its_length_alone(mon
 
 @torch.no_grad()
 def test_the_prefill_runs_the_last_layer_past_its_keys_and_values_for_the_last_token_only(monkeypatch):
-    """The decoder's prefill: every layer's queries, keys and values over every prompt position, the rest of every
-    layer but the last too; the last layer's o_proj and MLP and the head at each prompt's last position alone."""
+    """The decoder's prefill: every layer's queries, keys and values over the prompts' tokens (their padding left
+    out), the rest of every layer but the last too; the last layer's o_proj and MLP and the head at each prompt's
+    last token alone."""
     model = qwen2()
     ids, mask = left_padded([5, 3, 7], model.config.vocab_size)
     decoder = LlamaDecoder(model, mask, 2, 4)
     seen = product_rows(monkeypatch, model)
     decoder.prefill(ids)
-    assert_last_layer_cut(seen, model, every=3 * 7, last=3)
+    assert_last_layer_cut(seen, model, every=5 + 3 + 7, last=3)
 
 
 def test_shared_prompt_logits_rescale_a_dynamic_rope_over_every_position_at_once():

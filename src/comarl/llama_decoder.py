@@ -327,6 +327,21 @@ def packed_linear(layer: torch.nn.Linear, packed: torch.Tensor, x: torch.Tensor)
     return torch.ops.mkldnn._linear_pointwise(x, packed, layer.bias, "none", [], "")
 
 
+def laid_out(t: torch.Tensor, runs: torch.Tensor | None, count: int, width: int) -> torch.Tensor:
+    """``[tokens run, heads, head_dim]`` as ``[count, heads, width, head_dim]`` for attention: token ``i`` at flat
+    position ``runs[i]`` of ``[count, width]`` (all positions, in order, where ``runs`` is None), the others zeros."""
+    if runs is not None:
+        t = t.new_zeros(count * width, *t.shape[1:]).index_copy(0, runs, t)
+    return t.view(count, width, *t.shape[1:]).transpose(1, 2)
+
+
+def run_only(out: torch.Tensor, runs: torch.Tensor | None) -> torch.Tensor:
+    """SDPA's output ``[count, heads, width, head_dim]`` at the positions run (:func:`laid_out`), ``[tokens run,
+    heads * head_dim]``."""
+    out = out.transpose(1, 2).reshape(out.shape[0] * out.shape[2], -1)
+    return out if runs is None else out[runs]
+
+
 class LlamaDecoder:
     """Next-token logits of ``B * G`` rows, one new token per call, after a prefill of ``B`` left-padded prompts.
 
@@ -391,41 +406,56 @@ class LlamaDecoder:
     @torch.no_grad()
     def prefill(self, prompt_ids: torch.Tensor) -> torch.Tensor:
         """Next-token logits ``[B, V]`` after each prompt ``prompt_ids[B, P]``, its keys and values written to its G
-        rows' buffers. The forward's operations over the prompts (a token attends to its prompt's earlier tokens,
-        the padding masked out; rotary embeddings from one ``rotary_emb`` call at the prompts' positions), but the
-        last layer, whose output reaches the logits only at the last position, runs past its keys and values for
-        that position alone. Products are plain (:func:`linear`): many rows, where packing does not pay."""
+        rows' buffers. The forward's operations over the prompts' tokens (a token attends to its prompt's earlier
+        tokens; rotary embeddings from one ``rotary_emb`` call at their positions), their left padding left out of
+        every product (laid out as zeros for attention, masked), and the last layer, whose output reaches the logits
+        only at the last position, run past its keys and values for that position alone. Products are plain
+        (:func:`linear`): many rows, where packing does not pay."""
         base, G = self.model.model, self.num_generations
         B, P = prompt_ids.shape
         T = self.max_new_tokens
-        positions = (self.prompt_mask.cumsum(dim=1) - 1).clamp(min=0)
-        x = embed(base.embed_tokens, prompt_ids)  # [B, P, hidden]
-        cos, sin = base.rotary_emb(x, positions)
-        cos, sin = cos[:, None], signed_sin(sin[:, None])  # [B, 1, P, head_dim]
+        real = self.prompt_mask.flatten().bool()
+        runs = (
+            None if bool(real.all()) else real.nonzero().squeeze(1)
+        )  # the prompts' tokens, without the padding
+        tokens, positions = prompt_ids.flatten(), (self.prompt_mask.cumsum(dim=1) - 1).clamp(min=0).flatten()
+        if runs is not None:
+            tokens, positions = tokens[runs], positions[runs]
+        last = self.prompt_mask.sum(dim=1).cumsum(dim=0) - 1  # each prompt's last token among those run
+        x = embed(base.embed_tokens, tokens)  # [n, hidden]
+        cos, sin = base.rotary_emb(x, positions[None])
+        cos, sin = cos[0, :, None], signed_sin(sin[0, :, None])  # [n, 1, head_dim]
         attends = causal_prompt_mask(self.prompt_mask)
         for index, layer in enumerate(self.layers):
             attention = layer.self_attn
-            q, k, v = attention_inputs(attention, rms_norm(x, layer.input_layernorm))
-            q, k, v = q.transpose(1, 2), rotate(k.transpose(1, 2), cos, sin), v.transpose(1, 2)
+            q, k, v = attention_inputs(attention, rms_norm(x, layer.input_layernorm))  # [n, heads, head_dim]
+            k, v = laid_out(rotate(k, cos, sin), runs, B, P), laid_out(v, runs, B, P)
             for prompt_kv, buffers in ((k, self.keys), (v, self.values)):
                 _, heads, _, head_dim = prompt_kv.shape
                 buffer = prompt_kv.new_empty(B, G, heads, P + T, head_dim)
                 buffer[:, :, :, :P] = prompt_kv[:, None]
                 buffers.append(buffer.view(B * G, heads, P + T, head_dim))
-            # the queries and residuals that go on: the last layer's at the last position alone
-            at = slice(P - 1, P) if index == len(self.layers) - 1 else slice(0, P)
-            x, q = x[:, at], rotate(q[:, :, at], cos[:, :, at], sin[:, :, at])
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=attends[:, :, at], scale=attention.scaling, enable_gqa=True
-            )
-            x = x + linear(attention.o_proj, out.transpose(1, 2).reshape(*x.shape[:2], -1))
+            q = rotate(q, cos, sin)
+            if (
+                index == len(self.layers) - 1
+            ):  # the last layer's queries and residuals at the last tokens alone
+                x, q = x[last], q[last][:, :, None]  # [B, heads, 1, head_dim]
+                out = F.scaled_dot_product_attention(
+                    q, k, v, attn_mask=attends[:, :, P - 1 :], scale=attention.scaling, enable_gqa=True
+                ).reshape(B, -1)
+            else:
+                out = F.scaled_dot_product_attention(
+                    laid_out(q, runs, B, P), k, v, attn_mask=attends, scale=attention.scaling, enable_gqa=True
+                )
+                out = run_only(out, runs)
+            x = x + linear(attention.o_proj, out)
             x = x + mlp_output(layer.mlp, rms_norm(x, layer.post_attention_layernorm))
         # The decode steps' mask [rows, 1, 1, P + T]: 0 where a row may attend, -inf at its prompt's padding;
         # additive (SDPA turns a boolean mask into this at every call) and in the keys' dtype, as its kernels want.
         keep = torch.cat([self.prompt_mask.bool(), self.prompt_mask.new_ones(B, T, dtype=torch.bool)], dim=1)
         bias = torch.zeros(keep.shape, dtype=k.dtype, device=k.device).masked_fill_(~keep, -math.inf)
         self.attend_bias = bias.repeat_interleave(G, dim=0)[:, None, None, :]
-        return linear(self.model.lm_head, rms_norm(x, base.norm))[:, -1]
+        return linear(self.model.lm_head, rms_norm(x, base.norm))
 
     def keep_rows(self, rows: torch.Tensor) -> None:
         """Decode only ``rows`` (ids among this decoder's current rows, in the order given) from the next step on:
@@ -553,17 +583,6 @@ def shared_prompt_logits(
     cos, sin = base.rotary_emb(x, torch.cat([prompt_positions, row_positions])[None])
     cos, sin = cos[0, :, None], signed_sin(sin[0, :, None])  # [n + N, 1, head_dim]
     prompt_rotary, row_rotary = (cos[:n], sin[:n]), (cos[n:], sin[n:])
-
-    def laid_out(t: torch.Tensor, runs: torch.Tensor | None, count: int, width: int) -> torch.Tensor:
-        """``[tokens run, heads, head_dim]`` as ``[count, heads, width, head_dim]``, the positions not run zeros."""
-        if runs is not None:
-            t = t.new_zeros(count * width, *t.shape[1:]).index_copy(0, runs, t)
-        return t.view(count, width, *t.shape[1:]).transpose(1, 2)
-
-    def run_only(out: torch.Tensor, runs: torch.Tensor | None) -> torch.Tensor:
-        """SDPA's ``[count, heads, width, head_dim]`` as ``[tokens run, heads * head_dim]``."""
-        out = out.transpose(1, 2).reshape(out.shape[0] * out.shape[2], -1)
-        return out if runs is None else out[runs]
 
     # SDPA's boolean masks, True where a query may attend (padding queries attend to nothing: causal_prompt_mask).
     prompt_attends = causal_prompt_mask(prompt_mask[:, :L])
