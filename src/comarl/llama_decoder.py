@@ -414,10 +414,8 @@ class LlamaDecoder:
         base, G = self.model.model, self.num_generations
         B, P = prompt_ids.shape
         T = self.max_new_tokens
-        real = self.prompt_mask.flatten().bool()
-        runs = (
-            None if bool(real.all()) else real.nonzero().squeeze(1)
-        )  # the prompts' tokens, without the padding
+        real = self.prompt_mask.flatten().bool()  # the prompts' tokens, without the padding
+        runs = None if bool(real.all()) else real.nonzero().squeeze(1)
         tokens, positions = prompt_ids.flatten(), (self.prompt_mask.cumsum(dim=1) - 1).clamp(min=0).flatten()
         if runs is not None:
             tokens, positions = tokens[runs], positions[runs]
@@ -435,17 +433,16 @@ class LlamaDecoder:
                 buffer = prompt_kv.new_empty(B, G, heads, P + T, head_dim)
                 buffer[:, :, :, :P] = prompt_kv[:, None]
                 buffers.append(buffer.view(B * G, heads, P + T, head_dim))
-            q = rotate(q, cos, sin)
-            if (
-                index == len(self.layers) - 1
-            ):  # the last layer's queries and residuals at the last tokens alone
-                x, q = x[last], q[last][:, :, None]  # [B, heads, 1, head_dim]
+            # the queries and residuals that go on: the last layer's at each prompt's last token alone
+            if index == len(self.layers) - 1:
+                x, q = x[last], rotate(q[last], cos[last], sin[last])[:, :, None]  # [B, heads, 1, head_dim]
                 out = F.scaled_dot_product_attention(
                     q, k, v, attn_mask=attends[:, :, P - 1 :], scale=attention.scaling, enable_gqa=True
                 ).reshape(B, -1)
             else:
+                q = laid_out(rotate(q, cos, sin), runs, B, P)
                 out = F.scaled_dot_product_attention(
-                    laid_out(q, runs, B, P), k, v, attn_mask=attends, scale=attention.scaling, enable_gqa=True
+                    q, k, v, attn_mask=attends, scale=attention.scaling, enable_gqa=True
                 )
                 out = run_only(out, runs)
             x = x + linear(attention.o_proj, out)
@@ -545,13 +542,13 @@ def shared_prompt_logits(
 
     The training forward of :meth:`comarl.agents.Agent.completion_logprobs`, the same layers and operations as the
     model's forward (as :class:`LlamaDecoder`'s, for a model :func:`unsupported_reason` accepts) over two sets of
-    tokens at once: each distinct prompt but its last token, once, and each row's last prompt token and completion
-    but its last token, up to its length. Every product runs once over both sets' rows (``D (P - 1) + N``);
-    attention runs per set: a prompt token attends to the prompt's earlier tokens, a row's token to its prompt's
-    tokens (their keys and values gathered to the row) and the row's own earlier ones, the prompt's padding masked
-    out. A position past a row's length reaches no logit that is asked for and, attention being causal, no earlier
-    position: it is left out of every product (the rows' attention runs on ``[B, max(lengths)]``, the left-out
-    positions as zeros). Gradients reach the shared prompt tokens from every row that attends to them, as through
+    tokens at once: each distinct prompt but its last token, once, its left padding left out, and each row's last
+    prompt token and completion but its last token, up to its length. Every product runs once over both sets'
+    tokens (the prompts' and ``N``); attention runs per set, laid out as ``[D, P - 1]`` and ``[B, max(lengths)]``
+    with zeros where a token does not run: a prompt token attends to the prompt's earlier tokens, a row's token to
+    its prompt's tokens (their keys and values gathered to the row) and the row's own earlier ones, the prompt's
+    padding masked out. A position past a row's length reaches no logit that is asked for and, attention being causal, no earlier
+    position: it is left out of every product. Gradients reach the shared prompt tokens from every row that attends to them, as through
     ``B`` copies. In the last layer the prompt tokens stop after their keys and values (their outputs reach no
     logit). Rotary embeddings come from one call of the model's ``rotary_emb`` at every position run (a 'dynamic'
     RoPE then rescales by the largest, as the model's forward over the rows up to the longest one does).
@@ -583,7 +580,6 @@ def shared_prompt_logits(
     cos, sin = base.rotary_emb(x, torch.cat([prompt_positions, row_positions])[None])
     cos, sin = cos[0, :, None], signed_sin(sin[0, :, None])  # [n + N, 1, head_dim]
     prompt_rotary, row_rotary = (cos[:n], sin[:n]), (cos[n:], sin[n:])
-
     # SDPA's boolean masks, True where a query may attend (padding queries attend to nothing: causal_prompt_mask).
     prompt_attends = causal_prompt_mask(prompt_mask[:, :L])
     own = torch.ones(T, T, dtype=torch.bool, device=keep.device).tril()
